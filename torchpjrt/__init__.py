@@ -1,0 +1,23 @@
+"""torchpjrt: PyTorch, eager-first, on any XLA device through PJRT, with JAX as the runtime.
+
+    import torch, torchpjrt
+    x = torch.randn(4, 8, device="pjrt")
+"""
+
+from . import device as _device
+
+_device.register()
+
+from . import dispatch as _dispatch  # noqa: E402
+
+_dispatch.register()
+
+from .dispatch import cpu_fallback_counts  # noqa: E402,F401
+
+
+def op_stats() -> dict:
+    """Counts of aten calls per execution path (lowered, view, decomposed, cpu_fallback...)."""
+    return dict(_dispatch.stats)
+
+
+__all__ = ["op_stats", "cpu_fallback_counts"]

@@ -1,0 +1,234 @@
+"""The `pjrt` PrivateUse1 device: registration, platform choice, and the `torch.pjrt` module.
+
+This module *is* `torch.pjrt` (registered with `torch._register_device_module`), so its
+public functions mirror `torch.cuda`'s: is_available, device_count, synchronize, ...
+"""
+
+import os
+import sys
+import threading
+
+import jax
+
+jax.config.update("jax_enable_x64", True)  # int64 / float64 must behave as in PyTorch
+
+import torch  # noqa: E402
+from torch.utils.backend_registration import _setup_privateuseone_for_python_backend  # noqa: E402
+
+BACKEND_NAME = "pjrt"
+
+_lock = threading.Lock()
+_devices = None
+_current_device = 0
+
+
+def _requested_platform():
+    return os.environ.get("TORCHPJRT_PLATFORM") or None
+
+
+def jax_devices():
+    """The JAX devices of the chosen platform; `pjrt:N` is `jax_devices()[N]`."""
+    global _devices
+    if _devices is None:
+        with _lock:
+            if _devices is None:
+                platform = _requested_platform()
+                try:
+                    _devices = jax.devices(platform) if platform else jax.devices()
+                except RuntimeError as e:
+                    raise RuntimeError(
+                        f"torchpjrt: TORCHPJRT_PLATFORM={platform!r} is not available to JAX "
+                        f"({e}). Install the matching jax extra (jax[tpu], jax[cuda]) or unset "
+                        "TORCHPJRT_PLATFORM to use JAX's default backend."
+                    ) from None
+    return _devices
+
+
+def jax_device(index=None):
+    devs = jax_devices()
+    i = _current_device if index is None else index
+    if i < 0 or i >= len(devs):
+        raise RuntimeError(f"pjrt:{i} does not exist: {len(devs)} pjrt device(s) on platform {platform()!r}")
+    return devs[i]
+
+
+# ---- torch.pjrt public functions ------------------------------------------------------
+
+
+def is_available() -> bool:
+    try:
+        return len(jax_devices()) > 0
+    except RuntimeError:
+        return False
+
+
+def is_initialized() -> bool:
+    return _devices is not None
+
+
+def _is_in_bad_fork() -> bool:
+    return False
+
+
+def device_count() -> int:
+    try:
+        return len(jax_devices())
+    except RuntimeError:
+        return 0
+
+
+def current_device() -> int:
+    return _current_device
+
+
+def set_device(device) -> None:
+    global _current_device
+    index = torch.device(device).index if not isinstance(device, int) else device
+    if index is None:
+        index = 0
+    if index != 0:
+        raise NotImplementedError(
+            "torchpjrt: only pjrt:0 can hold tensors in one process for now; run one process "
+            "per device (torch.distributed) to use several devices"
+        )
+    _current_device = index
+
+
+def platform() -> str:
+    """The JAX platform of the pjrt devices: 'cpu', 'gpu', 'tpu', ..."""
+    return jax_devices()[0].platform
+
+
+def get_device_name(device=None) -> str:
+    return jax_device(_index(device)).device_kind
+
+
+def synchronize(device=None) -> None:
+    """Wait until every queued computation has finished."""
+    from . import storage
+
+    storage.synchronize_all()
+
+
+def _index(device):
+    if device is None:
+        return _current_device
+    if isinstance(device, int):
+        return device
+    d = torch.device(device)
+    return d.index or 0
+
+
+def memory_stats(device=None) -> dict:
+    """The runtime's memory statistics ({} where the platform reports none, like CPU)."""
+    stats = jax_device(_index(device)).memory_stats()
+    return dict(stats) if stats else {}
+
+
+def memory_allocated(device=None) -> int:
+    return int(memory_stats(device).get("bytes_in_use", 0))
+
+
+def max_memory_allocated(device=None) -> int:
+    return int(memory_stats(device).get("peak_bytes_in_use", 0))
+
+
+def memory_reserved(device=None) -> int:
+    s = memory_stats(device)
+    return int(s.get("bytes_reserved", s.get("bytes_limit", 0)))
+
+
+def empty_cache() -> None:
+    pass
+
+
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    return True
+
+
+def get_amp_supported_dtype():
+    return [torch.bfloat16, torch.float16]
+
+
+# Random state lives in torchpjrt.random_state; these are the torch.cuda-style entry points.
+def manual_seed(seed: int) -> None:
+    from . import random_state
+
+    random_state.manual_seed(int(seed))
+
+
+def manual_seed_all(seed: int) -> None:
+    manual_seed(seed)
+
+
+def seed() -> None:
+    from . import random_state
+
+    random_state.seed()
+
+
+def seed_all() -> None:
+    seed()
+
+
+def initial_seed() -> int:
+    from . import random_state
+
+    return random_state.initial_seed()
+
+
+def get_rng_state(device=None) -> torch.Tensor:
+    from . import random_state
+
+    return random_state.get_state()
+
+
+def set_rng_state(new_state, device=None) -> None:
+    from . import random_state
+
+    random_state.set_state(new_state)
+
+
+def get_rng_state_all():
+    return [get_rng_state()]
+
+
+def set_rng_state_all(states) -> None:
+    set_rng_state(states[0])
+
+
+# ---- registration -----------------------------------------------------------------------
+
+
+class _Hooks(torch._C._acc.PrivateUse1Hooks):
+    def is_available(self) -> bool:
+        return True
+
+    def has_primary_context(self, dev_id) -> bool:
+        return True
+
+    def is_built(self) -> bool:
+        return True
+
+
+class _DeviceGuard(torch._C._acc.DeviceGuard):
+    def type_(self):
+        return torch._C._autograd.DeviceType.PrivateUse1
+
+
+_registered = False
+
+
+def register():
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    if torch._C._get_privateuse1_backend_name() not in ("privateuseone", BACKEND_NAME):
+        raise RuntimeError(
+            "torchpjrt: the PrivateUse1 device is already taken by "
+            f"{torch._C._get_privateuse1_backend_name()!r}"
+        )
+    _setup_privateuseone_for_python_backend(
+        BACKEND_NAME, backend_module=sys.modules[__name__], hook=_Hooks(), device_guard=_DeviceGuard()
+    )

@@ -1,0 +1,935 @@
+"""The generic kernels: every aten call on a pjrt tensor ends up in one of these.
+
+- lowered:  ops in the lowering table; their in-place (`add_`) and `out=` (`add.out`)
+            overloads are derived here, not written per op.
+- view:     any op whose schema returns an alias of its input: the same op runs on a meta
+            tensor with the input's geometry and the result's sizes/strides/offset become
+            a new tensor sharing the input's storage.
+- factory, copy, item, resize_, set_: the memory model's own primitives.
+- fallback: decompositions from torch._decomp, then (opt-in) a CPU fallback, else a
+            NotImplementedError naming the aten overload.
+"""
+
+import contextlib
+import os
+import threading
+import warnings
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from torch._ops import OpOverload
+
+from . import dtypes, random_state, storage
+from .ops import TABLE, Lowering
+
+aten = torch.ops.aten
+
+stats = Counter()  # ops dispatched per path, shown by torchpjrt.op_stats()
+cpu_fallback_counts = Counter()
+_warned_fallback = set()
+_tls = threading.local()
+
+
+def cpu_fallback_enabled() -> bool:
+    return os.environ.get("TORCHPJRT_CPU_FALLBACK", "0") not in ("", "0", "false", "False")
+
+
+# ---- schema helpers ------------------------------------------------------------------------
+
+TENSOR, OPT_TENSOR, TENSOR_LIST, SCALAR, STATIC = range(5)
+
+
+def _arg_kind(arg):
+    t = arg.type
+    s = str(t)
+    if s in ("Tensor", "Tensor?"):
+        return TENSOR
+    if s in ("Tensor[]", "Tensor?[]", "List[Tensor]", "List[Optional[Tensor]]"):
+        return TENSOR_LIST
+    if s in ("Scalar", "Scalar?", "number", "number?"):
+        return SCALAR
+    return STATIC
+
+
+class Signature:
+    """A schema's argument list, precomputed for fast argument normalization."""
+
+    def __init__(self, schema):
+        self.schema = schema
+        self.names = [a.name for a in schema.arguments]
+        self.kinds = [_arg_kind(a) for a in schema.arguments]
+        self.kwarg_only = [a.kwarg_only for a in schema.arguments]
+        self.defaults = [a.default_value if a.has_default_value() else None for a in schema.arguments]
+        self.written = [a.alias_info is not None and a.alias_info.is_write for a in schema.arguments]
+        self.n = len(self.names)
+
+    def values(self, args, kwargs):
+        vals = list(args)
+        if len(vals) < self.n:
+            names, defaults = self.names, self.defaults
+            for i in range(len(vals), self.n):
+                vals.append(kwargs.get(names[i], defaults[i]))
+        return vals
+
+    def split(self, vals):
+        """Back to (args, kwargs) for calling the op."""
+        args, kwargs = [], {}
+        for i, v in enumerate(vals):
+            if self.kwarg_only[i]:
+                kwargs[self.names[i]] = v
+            else:
+                args.append(v)
+        return args, kwargs
+
+
+_signatures = {}
+
+
+def signature(op) -> Signature:
+    sig = _signatures.get(op)
+    if sig is None:
+        sig = _signatures[op] = Signature(op._schema)
+    return sig
+
+
+# ---- meta execution (shape/dtype inference and PyTorch's own error checks) ---------------
+
+
+def meta_like(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type != "pjrt":
+        return t
+    size, stride, offset = tuple(t.shape), t.stride(), t.storage_offset()
+    span = offset + 1 + sum((s - 1) * st for s, st in zip(size, stride)) if all(size) else offset
+    base = torch.empty((span,), dtype=t.dtype, device="meta")
+    m = base.as_strided(size, stride, offset)
+    if t.requires_grad and t.is_leaf:
+        m.requires_grad_(True)
+    return m
+
+
+def _to_meta(v):
+    if isinstance(v, torch.Tensor):
+        return meta_like(v)
+    if isinstance(v, (list, tuple)):
+        return type(v)(_to_meta(x) for x in v)
+    if isinstance(v, torch.device) and v.type == "pjrt":
+        return torch.device("meta")
+    return v
+
+
+def _flatten_tensors(res):
+    if isinstance(res, torch.Tensor):
+        return [res]
+    if isinstance(res, (list, tuple)):
+        out = []
+        for r in res:
+            out.extend(_flatten_tensors(r))
+        return out
+    return []
+
+
+class _NoMeta(Exception):
+    pass
+
+
+def run_meta(op, sig, vals):
+    """Run `op` on meta copies of the arguments: PyTorch's shape/dtype rules and errors."""
+    margs, mkwargs = sig.split([_to_meta(v) for v in vals])
+    if "device" in mkwargs and mkwargs["device"] is None and not any(
+        isinstance(v, torch.Tensor) for v in vals
+    ):
+        mkwargs["device"] = "meta"
+    try:
+        with torch._C._DisableTorchDispatch(), _no_grad_meta():
+            return op(*margs, **mkwargs)
+    except NotImplementedError as e:
+        raise _NoMeta() from e
+    except torch._subclasses.fake_tensor.DynamicOutputShapeException as e:
+        raise _NoMeta() from e
+    except RuntimeError as e:
+        msg = str(e)
+        if "Meta" in msg and ("Could not run" in msg or "not implemented" in msg.lower()):
+            raise _NoMeta() from e
+        if "data-dependent" in msg or "unbacked" in msg or "item()" in msg:
+            raise _NoMeta() from e
+        raise
+
+
+@contextlib.contextmanager
+def _no_grad_meta():
+    with torch.no_grad():
+        yield
+
+
+# ---- lowered ops -----------------------------------------------------------------------------
+
+
+def _device_error(t):
+    return RuntimeError(
+        "Expected all tensors to be on the same device, but found at least two devices, "
+        f"pjrt:0 and {t.device}!"
+    )
+
+
+class LoweredKernel:
+    """Runs one lowering for one aten overload, compiled once per argument signature.
+
+    `op` is the overload whose semantics (validation, result dtype) apply; `lowering`
+    computes the values. For derived in-place/out overloads the lowering is the
+    functional op's and only its first `n_inputs` arguments are passed to it.
+    """
+
+    def __init__(self, op: OpOverload, lowering: Lowering, n_inputs=None):
+        self.op = op
+        self.sig = signature(op)
+        self.lowering = lowering
+        self.n_inputs = self.sig.n if n_inputs is None else n_inputs
+        self.cache = {}
+        self.name = str(op)
+
+    def compute(self, vals):
+        """The lowering's outputs (a tuple of jax arrays) for normalized argument values."""
+        n = self.n_inputs
+        kinds = self.sig.kinds
+        key = []
+        dyn = []
+        for i in range(n):
+            v = vals[i]
+            k = kinds[i]
+            if k == TENSOR:
+                if v is None:
+                    key.append(None)
+                    continue
+                if not isinstance(v, torch.Tensor):
+                    # a wrapped Python number (x + 1 arrives as add.Tensor(x, 1))
+                    key.append(("n", type(v)) if not isinstance(v, bool) else ("b", v))
+                    if not isinstance(v, bool):
+                        dyn.append(v)
+                    continue
+                if v.device.type != "pjrt":
+                    v = _host_scalar(v)
+                    key.append(("host", v.dtype))
+                    dyn.append(v)
+                    continue
+                key.append((v.shape, v.dtype))
+                dyn.append(storage.read(v))
+            elif k == SCALAR:
+                if v is None or isinstance(v, bool) or i in self._static_positions:
+                    key.append(("s", v))
+                else:
+                    if isinstance(v, torch.Tensor):
+                        v = v.item()
+                    key.append(type(v))
+                    dyn.append(v)
+            elif k == TENSOR_LIST:
+                parts = []
+                arrays = []
+                for t in v:
+                    if t is None:
+                        parts.append(None)
+                        arrays.append(None)
+                    elif t.device.type != "pjrt":
+                        h = _host_scalar(t)
+                        parts.append(("host", h.dtype))
+                        arrays.append(h)
+                    else:
+                        parts.append((t.shape, t.dtype))
+                        arrays.append(storage.read(t))
+                key.append(tuple(parts))
+                dyn.append(arrays)
+            else:
+                key.append(_freeze(v))
+        if self.lowering.random:
+            dyn.append(random_state.next_seed_offset())
+        key = tuple(key)
+        fn = self.cache.get(key)
+        if fn is None:
+            fn = self._build(vals, key)
+        stats["lowered"] += 1
+        return fn(*dyn)
+
+    @property
+    def _static_positions(self):
+        try:
+            return self.__dict__["_sp"]
+        except KeyError:
+            sp = self.__dict__["_sp"] = frozenset(
+                i for i, name in enumerate(self.sig.names) if name in self.lowering.static
+            )
+            return sp
+
+    def _build(self, vals, key):
+        expected = None
+        try:
+            meta_out = run_meta(self.op, self.sig, vals)
+            expected = [dtypes.to_jax(m.dtype) for m in _flatten_tensors(meta_out)]
+            if self.n_inputs != self.sig.n:
+                expected = None  # out= overloads: the outputs' dtypes are checked on write
+        except _NoMeta:
+            pass
+        fn = _compile(self.lowering, self.sig, vals[: self.n_inputs], self._static_positions, expected)
+        self.cache[key] = fn
+        stats["compiled"] += 1
+        return fn
+
+
+def _host_scalar(t):
+    if t.dim() != 0:
+        raise _device_error(t)
+    return np.asarray(dtypes.numpy_from_cpu_tensor(t))
+
+
+def _freeze(v):
+    if isinstance(v, list):
+        return tuple(_freeze(x) for x in v)
+    if isinstance(v, torch.Tensor):
+        raise TypeError("tensor in a static position")
+    return v
+
+
+def _compile(lowering, sig, vals, static_positions, expected):
+    """A jitted function of the dynamic arguments (tensors, traced scalars)."""
+    kinds = sig.kinds
+    template = list(vals)
+    dynamic = []
+    for i, v in enumerate(vals):
+        k = kinds[i]
+        if k == TENSOR:
+            if v is not None and not isinstance(v, bool):
+                dynamic.append(i)
+        elif k == TENSOR_LIST:
+            dynamic.append(i)
+        elif k == SCALAR:
+            if not (v is None or isinstance(v, bool) or i in static_positions):
+                dynamic.append(i)
+            elif isinstance(v, torch.Tensor):
+                template[i] = v.item()
+        else:
+            template[i] = v
+    for i in dynamic:
+        template[i] = None
+    fn = lowering.fn
+    random = lowering.random
+    n_dyn = len(dynamic)
+
+    def run(*dyn):
+        full = list(template)
+        for pos, v in zip(dynamic, dyn[:n_dyn]):
+            full[pos] = v
+        if random:
+            full.append(random_state.key_from_seed_offset(dyn[n_dyn]))
+        out = fn(*full)
+        outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        if expected is not None and len(expected) == len(outs):
+            outs = tuple(
+                o.astype(d) if hasattr(o, "dtype") and o.dtype != d else o for o, d in zip(outs, expected)
+            )
+        return outs
+
+    if lowering.dynamic_shape:
+        return run
+    return jax.jit(run)
+
+
+def _returns_list(schema):
+    return len(schema.returns) == 1 and str(schema.returns[0].type) in ("Tensor[]", "List[Tensor]")
+
+
+def _wrap_outputs(schema, outs, vals, sig, mutated_written=()):
+    """Tensors for the schema's returns: new tensors, or the written arguments they alias."""
+    rets = schema.returns
+    if _returns_list(schema):
+        return [storage.wrap(o) for o in outs[0]] if isinstance(outs[0], (list, tuple)) else [
+            storage.wrap(o) for o in outs
+        ]
+    results = []
+    it = iter(outs)
+    for r in rets:
+        ai = r.alias_info
+        if ai is not None and ai.is_write:
+            # returns an argument it wrote (in-place / out=): find that argument
+            for i, a in enumerate(sig.schema.arguments):
+                if a.alias_info is not None and a.alias_info.before_set == ai.before_set:
+                    results.append(vals[i])
+                    break
+        else:
+            o = next(it)
+            results.append(storage.wrap(o) if hasattr(o, "shape") else o)
+    if len(results) == 1:
+        return results[0]
+    return tuple(results)
+
+
+def make_functional_kernel(op, lowering):
+    k = LoweredKernel(op, lowering)
+    sig = k.sig
+    schema = op._schema
+    mutates = [sig.names.index(m) for m in lowering.mutates]
+    n_rets = len([r for r in schema.returns if not (r.alias_info and r.alias_info.is_write)])
+
+    if not mutates:
+        single = len(schema.returns) == 1 and str(schema.returns[0].type) == "Tensor"
+        if single:
+
+            def kernel(*args, **kwargs):
+                vals = sig.values(args, kwargs)
+                return storage.wrap(k.compute(vals)[0])
+
+            return kernel
+
+        def kernel(*args, **kwargs):
+            vals = sig.values(args, kwargs)
+            return _wrap_outputs(schema, k.compute(vals), vals, sig)
+
+        return kernel
+
+    def mutating_kernel(*args, **kwargs):
+        vals = sig.values(args, kwargs)
+        outs = k.compute(vals)
+        regular, new_values = outs[:n_rets], outs[n_rets:]
+        for pos, new in zip(mutates, new_values):
+            target = vals[pos]
+            if isinstance(target, (list, tuple)):
+                for t, nv in zip(target, new):
+                    if t is not None:
+                        storage.write(t, nv)
+            elif target is not None:
+                storage.write(target, new)
+        return _wrap_outputs(schema, regular, vals, sig)
+
+    return mutating_kernel
+
+
+def make_inplace_kernel(op, functional, lowering):
+    """`x.add_(y)`: compute add(x, y), write it into x (PyTorch's checks come from meta)."""
+    k = LoweredKernel(op, lowering)
+    sig = k.sig
+
+    def kernel(*args, **kwargs):
+        vals = sig.values(args, kwargs)
+        out = k.compute(vals)[0]
+        self = vals[0]
+        storage.write(self, out)
+        return self
+
+    return kernel
+
+
+def make_out_kernel(op, functional, lowering):
+    """`torch.add(x, y, out=z)`: compute add(x, y), resize z as PyTorch does, write it."""
+    fsig = signature(functional)
+    k = LoweredKernel(op, lowering, n_inputs=fsig.n)
+    sig = k.sig
+    out_positions = [i for i in range(sig.n) if sig.written[i]]
+    schema = op._schema
+
+    def kernel(*args, **kwargs):
+        vals = sig.values(args, kwargs)
+        outs = k.compute(vals)
+        for pos, value in zip(out_positions, outs):
+            write_out(vals[pos], value)
+        if len(out_positions) == 1:
+            return vals[out_positions[0]]
+        return tuple(vals[p] for p in out_positions)
+
+    del schema
+    return kernel
+
+
+def write_out(target, value):
+    """Write a result into an `out=` tensor, resizing it the way PyTorch does."""
+    if target.device.type != "pjrt":
+        raise _device_error(target)
+    if tuple(target.shape) != tuple(value.shape):
+        if target.numel() != 0:
+            warnings.warn(
+                f"An output with one or more elements was resized since it had shape "
+                f"{list(target.shape)}, which does not match the required output shape "
+                f"{list(value.shape)}. This behavior is deprecated, and in a future PyTorch "
+                "release outputs will not be resized unless they have zero elements. You can "
+                "explicitly reuse an out tensor t by resizing it, inplace, to zero elements "
+                "with t.resize_(0).",
+                UserWarning,
+                stacklevel=4,
+            )
+        storage.resize(target, value.shape)
+    dt = dtypes.to_torch(value.dtype)
+    if dt != target.dtype and not torch.can_cast(dt, target.dtype):
+        raise RuntimeError(f"result type {_dtype_name(dt)} can't be cast to the desired output type {_dtype_name(target.dtype)}")
+    storage.write(target, value)
+
+
+def _dtype_name(dt):
+    return {torch.float32: "Float", torch.float64: "Double", torch.int64: "Long", torch.int32: "Int",
+            torch.bool: "Bool", torch.float16: "Half", torch.bfloat16: "BFloat16"}.get(dt, str(dt))
+
+
+# ---- views --------------------------------------------------------------------------------
+
+_view_cache = {}
+
+
+def _is_view_op(op) -> bool:
+    schema = op._schema
+    if not schema.returns:
+        return False
+    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return False
+    return all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+def view_kernel(op, args, kwargs):
+    self = args[0]
+    try:
+        key = (op, self.shape, self.stride(), self.storage_offset(), self.dtype,
+               _freeze(list(args[1:])), tuple(sorted((k, _freeze(v)) for k, v in kwargs.items())))
+        hash(key)
+    except TypeError:
+        key = None
+    plan = _view_cache.get(key) if key is not None else None
+    if plan is None:
+        margs = [_to_meta(a) for a in args]
+        mkwargs = {k: _to_meta(v) for k, v in kwargs.items()}
+        with torch.no_grad():
+            res = op(*margs, **mkwargs)
+        is_list = isinstance(res, (list, tuple))
+        geoms = [(tuple(r.shape), r.stride(), r.storage_offset(), r.dtype) for r in (res if is_list else [res])]
+        plan = (is_list, geoms)
+        if key is not None:
+            _view_cache[key] = plan
+    is_list, geoms = plan
+    stats["view"] += 1
+    outs = [storage.alias(self, *g) for g in geoms]
+    return outs if is_list else outs[0]
+
+
+def inplace_view_kernel(op, args, kwargs):
+    self = args[0]
+    m = meta_like(self)
+    with torch.no_grad():
+        op(m, *[_to_meta(a) for a in args[1:]], **{k: _to_meta(v) for k, v in kwargs.items()})
+    storage.set_geometry(self, tuple(m.shape), m.stride(), m.storage_offset())
+    return self
+
+
+# ---- the fallback for everything not registered directly ------------------------------
+
+
+def _functional_of(op):
+    """The functional overload an in-place or out= overload computes, or None."""
+    schema = op._schema
+    name = schema.name.split("::")[1]
+    written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    if not written:
+        return None
+    packet_name = name
+    if name.endswith("_") and not schema.arguments[0].kwarg_only and written[0] is schema.arguments[0]:
+        packet_name = name[:-1]
+        keep = [a.name for a in schema.arguments]
+    elif all(a.kwarg_only for a in written):
+        keep = [a.name for a in schema.arguments if not (a.alias_info is not None and a.alias_info.is_write)]
+    else:
+        return None
+    packet = getattr(aten, packet_name, None)
+    if packet is None:
+        return None
+    for ov in packet.overloads():
+        cand = getattr(packet, ov)
+        cs = cand._schema
+        if cand is op or any(a.alias_info is not None and a.alias_info.is_write for a in cs.arguments):
+            continue
+        if [a.name for a in cs.arguments] == keep:
+            return cand
+    return None
+
+
+def _in_progress():
+    s = getattr(_tls, "active", None)
+    if s is None:
+        s = _tls.active = set()
+    return s
+
+
+def fallback(keyset, op, *args, **kwargs):
+    handler = _handlers.get(op)
+    if handler is None:
+        handler = _handlers[op] = _classify(op)
+    return handler(op, args, kwargs)
+
+
+def _classify(op):
+    if op in TABLE:
+        return _direct(make_functional_kernel(op, TABLE[op]))
+    if torch.Tag.inplace_view in op.tags:
+        return inplace_view_kernel
+    if _is_view_op(op) or op in (aten._unsafe_view.default, aten.lift_fresh.default):
+        return view_kernel
+    functional = _functional_of(op)
+    if functional is not None and functional in TABLE:
+        return _direct(derived_kernel(op, functional))
+    return _slow_path
+
+
+def derived_kernel(op, functional):
+    first = op._schema.arguments[0]
+    if first.alias_info is not None and first.alias_info.is_write and not first.kwarg_only:
+        return make_inplace_kernel(op, functional, TABLE[functional])
+    return make_out_kernel(op, functional, TABLE[functional])
+
+
+def _direct(kernel):
+    return lambda op, args, kwargs: kernel(*args, **kwargs)
+
+
+def _slow_path(op, args, kwargs):
+    """Ops with no lowering: a decomposition, else write-through of a functional op, else
+    the opt-in CPU fallback, else a clear error."""
+    active = _in_progress()
+    if op in active:
+        return _unsupported(op, args, kwargs)
+    active.add(op)
+    try:
+        decomp = _decomposition(op)
+        if decomp is not None:
+            stats["decomposed"] += 1
+            return decomp(*args, **kwargs)
+        functional = _functional_of(op)
+        if functional is not None and functional not in active:
+            return _via_functional(op, functional, args, kwargs)
+        return _unsupported(op, args, kwargs)
+    finally:
+        active.discard(op)
+
+
+def _decomposition(op):
+    from torch._decomp import decomposition_table
+
+    return decomposition_table.get(op)
+
+
+def _via_functional(op, functional, args, kwargs):
+    """In-place / out= of an op without a lowering: run the functional op, write back."""
+    sig = signature(op)
+    vals = sig.values(args, kwargs)
+    fsig = signature(functional)
+    if sig.names[: fsig.n] == fsig.names:
+        fvals = vals[: fsig.n]
+    else:
+        fvals = [vals[sig.names.index(n)] for n in fsig.names]
+    fargs, fkwargs = fsig.split(fvals)
+    with torch._C._AutoDispatchBelowAutograd():
+        result = functional(*fargs, **fkwargs)
+    results = _flatten_tensors(result)
+    targets = [vals[i] for i in range(sig.n) if sig.written[i]]
+    stats["via_functional"] += 1
+    if targets and targets[0] is vals[0] and not sig.kwarg_only[0]:
+        for t, r in zip(targets, results):
+            write_out(t, _value_on_device(r)) if t.shape != r.shape else storage.write(t, _value_on_device(r))
+        return vals[0]
+    for t, r in zip(targets, results):
+        write_out(t, _value_on_device(r))
+    return targets[0] if len(targets) == 1 else tuple(targets)
+
+
+def _value_on_device(t):
+    if t.device.type == "pjrt":
+        return storage.read(t)
+    return jnp.asarray(dtypes.numpy_from_cpu_tensor(t))
+
+
+def _unsupported(op, args, kwargs):
+    if cpu_fallback_enabled():
+        return cpu_fallback(op, args, kwargs)
+    raise NotImplementedError(
+        f"torchpjrt: the aten operator '{op._schema.name}.{op._overloadname}' "
+        f"({op._schema}) has no lowering for the pjrt device. Set TORCHPJRT_CPU_FALLBACK=1 to run "
+        "unsupported operators on the CPU (slow; counted and warned once per operator)."
+    )
+
+
+# ---- opt-in CPU fallback -------------------------------------------------------------------
+
+
+def to_cpu(t: torch.Tensor) -> torch.Tensor:
+    arr = np.asarray(storage.read(t))
+    return dtypes.cpu_tensor_from_numpy(arr, t.dtype).reshape(t.shape)
+
+
+def to_pjrt(t: torch.Tensor) -> torch.Tensor:
+    arr = jax.device_put(dtypes.numpy_from_cpu_tensor(t.contiguous()), _default_device())
+    return storage.wrap(arr, t.dtype)
+
+
+def _default_device():
+    from .device import jax_device
+
+    return jax_device(0)
+
+
+def cpu_fallback(op, args, kwargs):
+    name = f"{op._schema.name}.{op._overloadname}"
+    cpu_fallback_counts[name] += 1
+    stats["cpu_fallback"] += 1
+    if name not in _warned_fallback:
+        _warned_fallback.add(name)
+        warnings.warn(f"torchpjrt: {name} is not supported on pjrt; running it on the CPU", stacklevel=3)
+
+    def conv(v):
+        if isinstance(v, torch.Tensor) and v.device.type == "pjrt":
+            return to_cpu(v)
+        if isinstance(v, (list, tuple)):
+            return type(v)(conv(x) for x in v)
+        if isinstance(v, torch.device) and v.type == "pjrt":
+            return torch.device("cpu")
+        return v
+
+    sig = signature(op)
+    vals = sig.values(args, kwargs)
+    cvals = [conv(v) for v in vals]
+    cargs, ckwargs = sig.split(cvals)
+    result = op(*cargs, **ckwargs)
+    # write back mutated arguments
+    for i in range(sig.n):
+        if sig.written[i] and isinstance(vals[i], torch.Tensor) and vals[i].device.type == "pjrt":
+            if tuple(vals[i].shape) != tuple(cvals[i].shape):
+                storage.resize(vals[i], cvals[i].shape)
+            storage.write(vals[i], _value_on_device(cvals[i]))
+
+    def back(r):
+        if isinstance(r, torch.Tensor):
+            for i in range(sig.n):
+                if isinstance(cvals[i], torch.Tensor) and r is cvals[i]:
+                    return vals[i]
+            return to_pjrt(r)
+        if isinstance(r, (list, tuple)):
+            return type(r)(back(x) for x in r)
+        return r
+
+    return back(result)
+
+
+_handlers = {}
+
+
+# ---- the memory model's own primitives: factories, copies, item, resize_, set_ -----------
+
+
+def _check_device(device):
+    if device is not None:
+        d = torch.device(device)
+        if d.type == "pjrt" and d.index not in (None, 0):
+            from .device import device_count
+
+            if d.index >= device_count():
+                raise RuntimeError(f"pjrt:{d.index} does not exist: {device_count()} pjrt device(s)")
+            raise NotImplementedError(
+                f"torchpjrt: tensors on pjrt:{d.index}: only pjrt:0 is addressable in one process for "
+                "now; use one process per device (torch.distributed)"
+            )
+
+
+def k_empty(size, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    _check_device(device)
+    size = tuple(int(s) for s in size)
+    if any(s < 0 for s in size):
+        raise RuntimeError(f"Trying to create tensor with negative dimension {min(size)}: {list(size)}")
+    return storage.empty(size, dtype or torch.get_default_dtype())
+
+
+def k_empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
+    _check_device(device)
+    size, stride = tuple(int(s) for s in size), tuple(int(s) for s in stride)
+    dtype = dtype or torch.get_default_dtype()
+    if stride == storage.contiguous_strides(size):
+        return storage.empty(size, dtype)
+    span = 1 + sum((s - 1) * st for s, st in zip(size, stride)) if all(size) else 0
+    base = storage.empty((span,), dtype)
+    storage.set_geometry(base, size, stride, 0)
+    return base
+
+
+def host_to_device(t: torch.Tensor):
+    """A JAX array on the pjrt device holding a CPU tensor's values (copied)."""
+    a = np.array(dtypes.numpy_from_cpu_tensor(t), copy=True)
+    return jax.device_put(a, _default_device())
+
+
+def k_copy_(self, src, non_blocking=False):
+    if self.device.type == "pjrt":
+        value = storage.read(src) if src.device.type == "pjrt" else host_to_device(src)
+        _check_broadcast(tuple(value.shape), tuple(self.shape))
+        storage.write(self, value)
+        return self
+    if self.device.type == "cpu":
+        self.copy_(to_cpu(src))
+        return self
+    raise RuntimeError(f"torchpjrt: copy from {src.device} to {self.device} is not supported")
+
+
+def _check_broadcast(src_shape, dst_shape):
+    if src_shape == dst_shape:
+        return
+    try:
+        ok = np.broadcast_shapes(src_shape, dst_shape) == dst_shape
+    except ValueError:
+        ok = False
+    if not ok:
+        raise RuntimeError(
+            f"The size of tensor a ({dst_shape[-1] if dst_shape else 1}) must match the size of "
+            f"tensor b ({src_shape[-1] if src_shape else 1}) at non-singleton dimension "
+            f"{len(dst_shape) - 1}" if len(src_shape) <= len(dst_shape)
+            else f"output with shape {list(dst_shape)} doesn't match the broadcast shape {list(src_shape)}"
+        )
+
+
+def k_copy_from(self, dst, non_blocking=False):
+    k_copy_(dst, self, non_blocking)
+    return dst
+
+
+def k_copy_from_and_resize(self, dst):
+    if tuple(dst.shape) != tuple(self.shape):
+        if dst.device.type == "pjrt":
+            storage.resize(dst, self.shape)
+        else:
+            dst.resize_(self.shape)
+    k_copy_(dst, self)
+    return dst
+
+
+def k_to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False,
+              memory_format=None):
+    dtype = dtype or self.dtype
+    target = torch.device(device) if device is not None else self.device
+    if target.type == "pjrt":
+        _check_device(target)
+        value = storage.read(self) if self.device.type == "pjrt" else host_to_device(self)
+        jd = dtypes.to_jax(dtype)
+        if value.dtype != jd:
+            value = storage._cast(value, jd)
+        return storage.wrap(value, dtype)
+    if target.type == "cpu":
+        t = to_cpu(self)
+        if dtype != t.dtype:
+            t = t.to(dtype)
+        if pin_memory:
+            t = t.pin_memory()
+        return t
+    raise RuntimeError(f"torchpjrt: cannot copy a pjrt tensor to {target} directly; go through .cpu()")
+
+
+def k_local_scalar_dense(self):
+    if self.numel() != 1:
+        raise RuntimeError(f"a Tensor with {self.numel()} elements cannot be converted to Scalar")
+    stats["host_read"] += 1
+    return np.asarray(storage.read(self)).reshape(()).item()
+
+
+def k_equal(self, other):
+    if self.device.type != other.device.type:
+        raise _device_error(other if other.device.type != "pjrt" else self)
+    if self.shape != other.shape:
+        return False
+    a, b = storage.read(self), storage.read(other)
+    return bool(_array_equal(a, b))
+
+
+@jax.jit
+def _array_equal(a, b):
+    return jnp.all(a == b)
+
+
+def k_resize_(self, size, *, memory_format=None):
+    if any(int(s) < 0 for s in size):
+        raise RuntimeError(f"Trying to create tensor with negative dimension {min(size)}: {list(size)}")
+    storage.resize(self, size)
+    return self
+
+
+def k_set_source_tensor(self, source):
+    _set.source_Tensor.redispatch(storage._META, self, source)
+    return self
+
+
+def k_set_source_storage(self, source):
+    _set.source_Storage.redispatch(storage._META, self, source)
+    return self
+
+
+def k_set_source_storage_offset(self, source, storage_offset, size, stride=()):
+    _set.source_Storage_storage_offset.redispatch(storage._META, self, source, storage_offset, size, stride)
+    return self
+
+
+def k_set_empty(self):
+    fresh = storage.empty((0,), self.dtype)
+    return k_set_source_tensor(self, fresh)
+
+
+_set = aten.set_
+
+SPECIAL_KERNELS = {
+    "empty.memory_format": k_empty,
+    "empty_strided": k_empty_strided,
+    "copy_": k_copy_,
+    "_copy_from": k_copy_from,
+    "_copy_from_and_resize": k_copy_from_and_resize,
+    "_to_copy": k_to_copy,
+    "_local_scalar_dense": k_local_scalar_dense,
+    "equal": k_equal,
+    "resize_": k_resize_,
+    "set_.source_Tensor": k_set_source_tensor,
+    "set_.source_Storage": k_set_source_storage,
+    "set_.source_Storage_storage_offset": k_set_source_storage_offset,
+    "set_": k_set_empty,
+}
+
+
+# ---- registration -------------------------------------------------------------------------
+
+_libs = []
+
+
+def _qualname(op):
+    name = op._schema.name.split("::")[1]
+    return name if op._overloadname == "default" else f"{name}.{op._overloadname}"
+
+
+def derived_overloads(op):
+    """The in-place and out= overloads whose functional form is `op`."""
+    name = op._schema.name.split("::")[1]
+    found = []
+    for packet_name in (name, name + "_"):
+        packet = getattr(aten, packet_name, None)
+        if packet is None:
+            continue
+        for ov in packet.overloads():
+            cand = getattr(packet, ov)
+            if cand is not op and cand not in TABLE and _functional_of(cand) is op:
+                found.append(cand)
+    return found
+
+
+def register():
+    from .ops import load_all
+
+    load_all()
+    lib = torch.library.Library("aten", "IMPL")
+    _libs.append(lib)
+    for name, fn in SPECIAL_KERNELS.items():
+        lib.impl(name, fn, "PrivateUse1")
+    for op, lowering in TABLE.items():
+        if _qualname(op) in SPECIAL_KERNELS:
+            continue
+        lib.impl(_qualname(op), make_functional_kernel(op, lowering), "PrivateUse1")
+        for derived in derived_overloads(op):
+            if _qualname(derived) in SPECIAL_KERNELS:
+                continue
+            lib.impl(_qualname(derived), derived_kernel(derived, op), "PrivateUse1")
+    fb = torch.library.Library("_", "IMPL")
+    _libs.append(fb)
+    fb.fallback(fallback, dispatch_key="PrivateUse1", with_keyset=True)
+

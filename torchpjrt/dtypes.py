@@ -1,0 +1,74 @@
+"""Mapping between torch dtypes and JAX/numpy dtypes."""
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+TORCH_TO_JAX = {
+    torch.float32: jnp.dtype(jnp.float32),
+    torch.float64: jnp.dtype(jnp.float64),
+    torch.float16: jnp.dtype(jnp.float16),
+    torch.bfloat16: jnp.dtype(jnp.bfloat16),
+    torch.int64: jnp.dtype(jnp.int64),
+    torch.int32: jnp.dtype(jnp.int32),
+    torch.int16: jnp.dtype(jnp.int16),
+    torch.int8: jnp.dtype(jnp.int8),
+    torch.uint8: jnp.dtype(jnp.uint8),
+    torch.uint16: jnp.dtype(jnp.uint16),
+    torch.uint32: jnp.dtype(jnp.uint32),
+    torch.uint64: jnp.dtype(jnp.uint64),
+    torch.bool: jnp.dtype(jnp.bool_),
+    torch.complex64: jnp.dtype(jnp.complex64),
+    torch.complex128: jnp.dtype(jnp.complex128),
+    torch.float8_e4m3fn: jnp.dtype(jnp.float8_e4m3fn),
+    torch.float8_e5m2: jnp.dtype(jnp.float8_e5m2),
+}
+JAX_TO_TORCH = {v: k for k, v in TORCH_TO_JAX.items()}
+
+
+def to_jax(dtype: torch.dtype):
+    try:
+        return TORCH_TO_JAX[dtype]
+    except KeyError:
+        raise TypeError(f"torchpjrt: dtype {dtype} is not supported on the pjrt device") from None
+
+
+def to_torch(dtype) -> torch.dtype:
+    try:
+        return JAX_TO_TORCH[dtype]
+    except KeyError:
+        return JAX_TO_TORCH[np.dtype(dtype)]
+
+
+# numpy has no bfloat16/float8: host transfers reinterpret those through same-width ints.
+_HOST_BITCAST = {
+    torch.bfloat16: (torch.int16, np.int16),
+    torch.float8_e4m3fn: (torch.int8, np.int8),
+    torch.float8_e5m2: (torch.int8, np.int8),
+    torch.uint16: (torch.int16, np.int16),
+    torch.uint32: (torch.int32, np.int32),
+    torch.uint64: (torch.int64, np.int64),
+}
+
+
+def numpy_from_cpu_tensor(t: torch.Tensor) -> np.ndarray:
+    """A numpy array (of the matching JAX dtype) holding a CPU tensor's values."""
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    via = _HOST_BITCAST.get(t.dtype)
+    if via is not None:
+        return t.contiguous().view(via[0]).numpy().view(TORCH_TO_JAX[t.dtype])
+    return t.numpy()
+
+
+def cpu_tensor_from_numpy(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    via = _HOST_BITCAST.get(dtype)
+    a = np.ascontiguousarray(a)
+    if via is not None:
+        return torch.from_numpy(a.view(via[1])).view(dtype)
+    if not a.flags.writeable:
+        a = a.copy()
+    return torch.from_numpy(a)

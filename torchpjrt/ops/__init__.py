@@ -1,0 +1,74 @@
+"""The lowering table: the only mapping from aten overloads to JAX.
+
+A lowering is a pure function of `jax.Array`s and Python values whose parameters follow
+the aten schema's arguments in order (keyword-only ones included, passed positionally).
+Every execution path (eager, fused, compiled) calls these functions.
+
+    @lower(aten.add.Tensor)
+    def add(self, other, alpha=1):
+        return self + alpha * other
+
+Options:
+  static=("name", ...)  Scalar arguments baked into the compiled function (others are
+                        traced, so a changing learning rate does not recompile).
+  random=True           the function takes a trailing `key` (a JAX PRNG key) argument.
+  mutates=("self",)     for mutating overloads: the function returns the new values of
+                        these arguments (after any regular outputs).
+  dynamic_shape=True    the output shape depends on values (nonzero, unique): run
+                        without jit on concrete arrays.
+  exact_dtype=True      skip the final cast of outputs to PyTorch's result dtype.
+
+In-place (`add_`) and `out=` (`add.out`) overloads of a lowered op need no entry: the
+generic kernels in dispatch.py derive them.
+"""
+
+import dataclasses
+import importlib
+from typing import Callable
+
+import torch
+
+aten = torch.ops.aten
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowering:
+    fn: Callable
+    static: frozenset = frozenset()
+    random: bool = False
+    mutates: tuple = ()
+    dynamic_shape: bool = False
+
+
+TABLE: dict = {}
+
+
+def lower(*overloads, static=(), random=False, mutates=(), dynamic_shape=False):
+    def register(fn):
+        for op in overloads:
+            if isinstance(op, torch._ops.OpOverloadPacket):
+                raise TypeError(f"lower() needs overloads, got the packet {op}")
+            if op in TABLE:
+                raise ValueError(f"{op} is lowered twice")
+            TABLE[op] = Lowering(fn, frozenset(static), random, tuple(mutates), dynamic_shape)
+        return fn
+
+    return register
+
+
+_FAMILIES = (
+    "elementwise",
+    "reduction",
+    "linalg",
+    "shape",
+    "indexing",
+    "nn",
+    "conv",
+    "random",
+    "factory",
+)
+
+
+def load_all():
+    for name in _FAMILIES:
+        importlib.import_module(f"{__name__}.{name}")

@@ -1,0 +1,371 @@
+"""Elementwise math, comparisons and logic.
+
+Outputs are cast to PyTorch's result dtype by the dispatcher (from the op's meta kernel),
+so these functions may compute with JAX's promotion where that gives the same values.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import aten, lower
+
+
+def _is_float(x):
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _is_bool(x):
+    return jnp.result_type(x) == jnp.bool_
+
+
+def _scaled(other, alpha):
+    if isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and alpha == 1:
+        return other
+    return other * alpha
+
+
+@lower(aten.add.Tensor, aten.add.Scalar)
+def add(self, other, alpha=1):
+    if _is_bool(self) and _is_bool(other):
+        return jnp.logical_or(self, other)
+    return self + _scaled(other, alpha)
+
+
+@lower(aten.sub.Tensor, aten.sub.Scalar)
+def sub(self, other, alpha=1):
+    return self - _scaled(other, alpha)
+
+
+@lower(aten.rsub.Tensor, aten.rsub.Scalar)
+def rsub(self, other, alpha=1):
+    return other - _scaled(self, alpha)
+
+
+@lower(aten.mul.Tensor, aten.mul.Scalar)
+def mul(self, other):
+    if _is_bool(self) and _is_bool(other):
+        return jnp.logical_and(self, other)
+    return self * other
+
+
+def _true_div(a, b):
+    if not _is_float(a) and not _is_float(b):
+        a = jnp.asarray(a).astype(jnp.float32) if not isinstance(a, (int, float)) else float(a)
+        b = jnp.asarray(b).astype(jnp.float32) if not isinstance(b, (int, float)) else float(b)
+    return jnp.true_divide(a, b)
+
+
+@lower(aten.div.Tensor, aten.div.Scalar)
+def div(self, other):
+    return _true_div(self, other)
+
+
+@lower(aten.div.Tensor_mode, aten.div.Scalar_mode, static=("other",))
+def div_mode(self, other, rounding_mode=None):
+    if rounding_mode is None:
+        return _true_div(self, other)
+    if rounding_mode == "trunc":
+        if _is_float(self) or _is_float(other):
+            return jnp.trunc(jnp.true_divide(self, other))
+        return lax.div(*jnp.broadcast_arrays(self, jnp.asarray(other, jnp.result_type(self))))
+    if rounding_mode == "floor":
+        return _floor_divide(self, other)
+    raise ValueError(f"div expected rounding_mode to be one of None, 'trunc', or 'floor' but found '{rounding_mode}'")
+
+
+def _floor_divide(a, b):
+    if _is_float(a) or _is_float(b):
+        return jnp.floor_divide(a, b)
+    return jnp.floor_divide(a, b)
+
+
+@lower(aten.floor_divide.default, aten.floor_divide.Scalar)
+def floor_divide(self, other):
+    return _floor_divide(self, other)
+
+
+@lower(aten.remainder.Tensor, aten.remainder.Scalar, aten.remainder.Scalar_Tensor)
+def remainder(self, other):
+    return jnp.remainder(self, other)
+
+
+@lower(aten.fmod.Tensor, aten.fmod.Scalar)
+def fmod(self, other):
+    return jnp.fmod(self, other)
+
+
+@lower(aten.pow.Tensor_Tensor)
+def pow_tt(self, exponent):
+    return _pow(self, exponent)
+
+
+@lower(aten.pow.Tensor_Scalar, static=("exponent",))
+def pow_ts(self, exponent):
+    if exponent == 2:
+        return self * self
+    if exponent == 1:
+        return self
+    if exponent == 0.5 and _is_float(self):
+        return jnp.sqrt(self)
+    if exponent == -1 and _is_float(self):
+        return 1 / self
+    return _pow(self, exponent)
+
+
+@lower(aten.pow.Scalar)
+def pow_st(self, exponent):
+    return _pow(self, exponent)
+
+
+def _pow(a, b):
+    if not _is_float(a) and not _is_float(b) and not isinstance(b, float):
+        return lax.integer_pow(a, b) if isinstance(b, int) and b >= 0 else jnp.power(a, b)
+    return jnp.power(a, b)
+
+
+@lower(aten.float_power.Tensor_Tensor, aten.float_power.Tensor_Scalar, aten.float_power.Scalar)
+def float_power(self, exponent):
+    def up(x):
+        if isinstance(x, (int, float)):
+            return x
+        return x.astype(jnp.complex128 if jnp.iscomplexobj(x) else jnp.float64)
+
+    return jnp.power(up(self), up(exponent))
+
+
+def _unary(op, jfn, to_float=True):
+    def f(self):
+        if to_float and not _is_float(self):
+            self = self.astype(jnp.float32)
+        return jfn(self)
+
+    f.__name__ = str(op).replace(".", "_")
+    lower(op)(f)
+
+
+for _op, _fn in [
+    (aten.exp.default, jnp.exp),
+    (aten.exp2.default, jnp.exp2),
+    (aten.expm1.default, jnp.expm1),
+    (aten.log.default, jnp.log),
+    (aten.log2.default, jnp.log2),
+    (aten.log10.default, jnp.log10),
+    (aten.log1p.default, jnp.log1p),
+    (aten.sqrt.default, jnp.sqrt),
+    (aten.rsqrt.default, lax.rsqrt),
+    (aten.sin.default, jnp.sin),
+    (aten.cos.default, jnp.cos),
+    (aten.tan.default, jnp.tan),
+    (aten.asin.default, jnp.arcsin),
+    (aten.acos.default, jnp.arccos),
+    (aten.atan.default, jnp.arctan),
+    (aten.sinh.default, jnp.sinh),
+    (aten.cosh.default, jnp.cosh),
+    (aten.tanh.default, jnp.tanh),
+    (aten.asinh.default, jnp.arcsinh),
+    (aten.acosh.default, jnp.arccosh),
+    (aten.atanh.default, jnp.arctanh),
+    (aten.sigmoid.default, jax.nn.sigmoid),
+    (aten.erf.default, jax.scipy.special.erf),
+    (aten.erfc.default, jax.scipy.special.erfc),
+    (aten.erfinv.default, jax.scipy.special.erfinv),
+    (aten.lgamma.default, jax.scipy.special.gammaln),
+    (aten.digamma.default, jax.scipy.special.digamma),
+    (aten.i0.default, jax.scipy.special.i0),
+    (aten.special_i0e.default, jax.scipy.special.i0e),
+    (aten.special_i1.default, jax.scipy.special.i1),
+    (aten.special_i1e.default, jax.scipy.special.i1e),
+    (aten.sinc.default, jnp.sinc),
+    (aten.deg2rad.default, jnp.deg2rad),
+    (aten.rad2deg.default, jnp.rad2deg),
+    (aten.reciprocal.default, lambda x: 1 / x),
+    (aten.special_erfcx.default, jax.scipy.special.erfcx),
+    (aten.special_ndtri.default, jax.scipy.special.ndtri),
+    (aten.special_ndtr.default, jax.scipy.special.ndtr),
+    (aten.special_log_ndtr.default, jax.scipy.special.log_ndtr),
+    (aten.special_entr.default, jax.scipy.special.entr),
+]:
+    _unary(_op, _fn)
+
+for _op, _fn in [
+    (aten.neg.default, jnp.negative),
+    (aten.abs.default, jnp.abs),
+    (aten.sign.default, jnp.sign),
+    (aten.sgn.default, jnp.sign),
+    (aten.floor.default, lambda x: jnp.floor(x) if _is_float(x) else x),
+    (aten.ceil.default, lambda x: jnp.ceil(x) if _is_float(x) else x),
+    (aten.trunc.default, lambda x: jnp.trunc(x) if _is_float(x) else x),
+    (aten.frac.default, lambda x: x - jnp.trunc(x)),
+    (aten.bitwise_not.default, lambda x: jnp.logical_not(x) if _is_bool(x) else jnp.invert(x)),
+    (aten.logical_not.default, jnp.logical_not),
+    (aten.isnan.default, jnp.isnan),
+    (aten.isinf.default, jnp.isinf),
+    (aten.isfinite.default, jnp.isfinite),
+    (aten.isposinf.default, jnp.isposinf),
+    (aten.isneginf.default, jnp.isneginf),
+    (aten.signbit.default, jnp.signbit),
+    (aten.positive.default, lambda x: x),
+    (aten.conj_physical.default, jnp.conj),
+    (aten.angle.default, jnp.angle),
+]:
+    _unary(_op, _fn, to_float=False)
+
+
+@lower(aten.round.default)
+def round_(self):
+    return jnp.round(self) if _is_float(self) else self
+
+
+@lower(aten.round.decimals, static=("decimals",))
+def round_decimals(self, decimals=0):
+    return jnp.round(self, decimals)
+
+
+@lower(aten.logit.default, static=("eps",))
+def logit(self, eps=None):
+    x = self if _is_float(self) else self.astype(jnp.float32)
+    if eps is not None:
+        x = jnp.clip(x, eps, 1 - eps)
+    return jnp.log(x / (1 - x))
+
+
+# ---- binary math --------------------------------------------------------------------------
+
+
+def _binary(op, jfn):
+    lower(op)(lambda self, other: jfn(self, other))
+
+
+for _op, _fn in [
+    (aten.atan2.default, jnp.arctan2),
+    (aten.hypot.default, jnp.hypot),
+    (aten.logaddexp.default, jnp.logaddexp),
+    (aten.logaddexp2.default, jnp.logaddexp2),
+    (aten.copysign.Tensor, jnp.copysign),
+    (aten.copysign.Scalar, jnp.copysign),
+    (aten.nextafter.default, jnp.nextafter),
+    (aten.xlogy.Tensor, jax.scipy.special.xlogy),
+    (aten.xlogy.Scalar_Self, jax.scipy.special.xlogy),
+    (aten.xlogy.Scalar_Other, jax.scipy.special.xlogy),
+    (aten.special_xlog1py.default, jax.scipy.special.xlog1py),
+    (aten.heaviside.default, jnp.heaviside),
+    (aten.fmax.default, jnp.fmax),
+    (aten.fmin.default, jnp.fmin),
+    (aten.maximum.default, jnp.maximum),
+    (aten.minimum.default, jnp.minimum),
+    (aten.eq.Tensor, jnp.equal),
+    (aten.eq.Scalar, jnp.equal),
+    (aten.ne.Tensor, jnp.not_equal),
+    (aten.ne.Scalar, jnp.not_equal),
+    (aten.lt.Tensor, jnp.less),
+    (aten.lt.Scalar, jnp.less),
+    (aten.le.Tensor, jnp.less_equal),
+    (aten.le.Scalar, jnp.less_equal),
+    (aten.gt.Tensor, jnp.greater),
+    (aten.gt.Scalar, jnp.greater),
+    (aten.ge.Tensor, jnp.greater_equal),
+    (aten.ge.Scalar, jnp.greater_equal),
+    (aten.logical_and.default, jnp.logical_and),
+    (aten.logical_or.default, jnp.logical_or),
+    (aten.logical_xor.default, jnp.logical_xor),
+    (aten.bitwise_and.Tensor, jnp.bitwise_and),
+    (aten.bitwise_and.Scalar, jnp.bitwise_and),
+    (aten.bitwise_or.Tensor, jnp.bitwise_or),
+    (aten.bitwise_or.Scalar, jnp.bitwise_or),
+    (aten.bitwise_xor.Tensor, jnp.bitwise_xor),
+    (aten.bitwise_xor.Scalar, jnp.bitwise_xor),
+    (aten.bitwise_left_shift.Tensor, jnp.left_shift),
+    (aten.bitwise_right_shift.Tensor, jnp.right_shift),
+    (aten.gcd.default, jnp.gcd),
+    (aten.lcm.default, jnp.lcm),
+]:
+    _binary(_op, _fn)
+
+
+@lower(aten.where.self)
+def where(condition, self, other):
+    return jnp.where(condition, self, other)
+
+
+@lower(aten.clamp.default, aten.clamp.Tensor)
+def clamp(self, min=None, max=None):
+    if min is None and max is None:
+        raise RuntimeError("torch.clamp: At least one of 'min' or 'max' must not be None")
+    x = self
+    if min is not None:
+        x = jnp.maximum(x, min) if not _is_float(x) else jnp.where(x < min, min, x)
+    if max is not None:
+        x = jnp.minimum(x, max) if not _is_float(x) else jnp.where(x > max, max, x)
+    return x
+
+
+@lower(aten.clamp_min.default, aten.clamp_min.Tensor)
+def clamp_min(self, min):
+    return jnp.where(self < min, min, self)
+
+
+@lower(aten.clamp_max.default, aten.clamp_max.Tensor)
+def clamp_max(self, max):
+    return jnp.where(self > max, max, self)
+
+
+@lower(aten.lerp.Scalar, aten.lerp.Tensor)
+def lerp(self, end, weight):
+    return self + weight * (end - self)
+
+
+@lower(aten.addcmul.default)
+def addcmul(self, tensor1, tensor2, value=1):
+    return self + value * tensor1 * tensor2
+
+
+@lower(aten.addcdiv.default)
+def addcdiv(self, tensor1, tensor2, value=1):
+    return self + value * (tensor1 / tensor2)
+
+
+@lower(aten.nan_to_num.default, static=("nan", "posinf", "neginf"))
+def nan_to_num(self, nan=None, posinf=None, neginf=None):
+    return jnp.nan_to_num(self, nan=0.0 if nan is None else nan, posinf=posinf, neginf=neginf)
+
+
+@lower(aten.masked_fill.Scalar, aten.masked_fill.Tensor)
+def masked_fill(self, mask, value):
+    return jnp.where(mask, jnp.asarray(value, self.dtype), self)
+
+
+@lower(aten.fill.Scalar, aten.fill.Tensor)
+def fill(self, value):
+    return jnp.full(self.shape, value, self.dtype)
+
+
+@lower(aten.zero.default)
+def zero(self):
+    return jnp.zeros(self.shape, self.dtype)
+
+
+@lower(aten.clone.default)
+def clone(self, memory_format=None):
+    return self
+
+
+@lower(aten.alias_copy.default, aten.detach_copy.default)
+def alias_copy(self):
+    return self
+
+
+@lower(aten.isclose.default)
+def isclose(self, other, rtol=1e-05, atol=1e-08, equal_nan=False):
+    return jnp.isclose(self, other, rtol=rtol, atol=atol, equal_nan=equal_nan)
+
+
+@lower(aten.polygamma.default, static=("n",))
+def polygamma(n, self):
+    x = self if _is_float(self) else self.astype(jnp.float32)
+    return jax.scipy.special.polygamma(n, x)
+
+
+@lower(aten.mvlgamma.default, static=("p",))
+def mvlgamma(self, p):
+    return jax.scipy.special.multigammaln(self, p)

@@ -1,0 +1,332 @@
+"""Storages and geometry: the bridge between PyTorch's aliasing memory model and JAX arrays.
+
+A pjrt tensor is a plain `torch.Tensor` whose c10 storage carries (as a Python attribute of
+its `UntypedStorage` object) a `Storage`: one immutable `jax.Array` plus a version. Tensors
+that alias share the c10 storage, hence the `Storage`. The tensor's own sizes, strides and
+storage offset (PyTorch's TensorImpl geometry, set through `set_` on the Meta key) say which
+elements of the storage it sees.
+
+Reading a tensor materializes its elements from the storage (identity fast path, else a
+jitted strided read cached per storage version). Writing scatters into the storage and
+bumps its version.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax import lax
+
+from . import dtypes
+
+_create_empty = torch._C._acc.create_empty_tensor
+_META = torch._C.DispatchKeySet(torch._C.DispatchKey.Meta)
+_set_storage = torch.ops.aten.set_.source_Storage_storage_offset
+
+
+class Storage:
+    """The device memory behind one c10 storage: a JAX array and a version counter."""
+
+    __slots__ = ("array", "shape", "dtype", "version", "views", "__weakref__")
+
+    def __init__(self, array, dtype: torch.dtype, shape=None):
+        self.array = array  # None until first written: an uninitialized (empty) storage
+        self.shape = tuple(array.shape) if array is not None else tuple(shape)
+        self.dtype = dtype
+        self.version = 0
+        self.views = None  # {(geometry, dtype): (version, array)} for materialized views
+
+    @property
+    def numel(self):
+        return math.prod(self.shape)
+
+    def value(self):
+        if self.array is None:
+            # PyTorch leaves empty() uninitialized; zeros are one valid content.
+            self.array = _zeros(self.shape, dtypes.to_jax(self.dtype))
+        return self.array
+
+    def replace(self, array):
+        self.array = array
+        self.shape = tuple(array.shape)
+        self.version += 1
+        self.views = None
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros_fn(shape, dtype):
+    return jax.jit(lambda: jnp.zeros(shape, dtype))
+
+
+def _zeros(shape, dtype):
+    return _zeros_fn(shape, dtype)()
+
+
+def storage_of(t: torch.Tensor) -> Storage:
+    try:
+        return t.untyped_storage()._pjrt
+    except AttributeError:
+        if t.device.type != "pjrt":
+            raise RuntimeError(f"expected a pjrt tensor, got a tensor on {t.device}") from None
+        raise RuntimeError("torchpjrt: this pjrt tensor has no device data (internal error)") from None
+
+
+def is_identity(t: torch.Tensor, st: Storage) -> bool:
+    return t.dtype == st.dtype and t.shape == st.shape and t.storage_offset() == 0 and t.is_contiguous()
+
+
+def read(t: torch.Tensor):
+    """The JAX array holding tensor `t`'s elements (shape t.shape, dtype of t)."""
+    st = t.untyped_storage()._pjrt
+    if t.shape == st.shape and t.dtype == st.dtype and t.storage_offset() == 0 and t.is_contiguous():
+        a = st.array
+        return a if a is not None else st.value()
+    return _read_view(t, st)
+
+
+def _read_view(t, st):
+    geometry = (tuple(t.shape), t.stride(), t.storage_offset())
+    key = (geometry, t.dtype)
+    views = st.views
+    if views is not None:
+        hit = views.get(key)
+        if hit is not None and hit[0] == st.version:
+            return hit[1]
+    base = st.value()
+    _check_dtype_view(t.dtype, st.dtype)
+    out = _reader(st.shape, *geometry, dtypes.to_jax(t.dtype))(base)
+    if views is None or len(views) > 64:
+        st.views = views = {}
+    views[key] = (st.version, out)
+    return out
+
+
+def write(t: torch.Tensor, value) -> None:
+    """Store `value` (broadcastable to t.shape, any dtype) as the elements of tensor `t`."""
+    st = t.untyped_storage()._pjrt
+    jdtype = dtypes.to_jax(t.dtype)
+    if value.dtype != jdtype:
+        value = _cast(value, jdtype)
+    if tuple(value.shape) != tuple(t.shape):
+        value = _broadcast(value, tuple(t.shape))
+    if t.dtype == st.dtype and t.shape == st.shape and t.storage_offset() == 0 and t.is_contiguous():
+        st.replace(value)
+        return
+    _check_dtype_view(t.dtype, st.dtype)
+    size, stride = tuple(t.shape), t.stride()
+    if any(s > 1 and d == 0 for s, d in zip(size, stride)):
+        raise RuntimeError(
+            "unsupported operation: more than one element of the written-to tensor refers to a "
+            "single memory location. Please clone() the tensor before performing the operation."
+        )
+    if t.numel() == 0:
+        return
+    new = _writer(st.shape, size, stride, t.storage_offset(), dtypes.to_jax(st.dtype))(st.value(), value)
+    st.replace(new)
+
+
+def _check_dtype_view(view_dtype, storage_dtype):
+    if view_dtype != storage_dtype and view_dtype.itemsize != storage_dtype.itemsize:
+        raise NotImplementedError(
+            f"torchpjrt: a {view_dtype} view of {storage_dtype} memory (different element size) "
+            "is not supported"
+        )
+
+
+@functools.lru_cache(maxsize=None)
+def _cast_fn(dtype):
+    return jax.jit(lambda x: x.astype(dtype))
+
+
+def _cast(x, dtype):
+    return _cast_fn(dtype)(x)
+
+
+@functools.lru_cache(maxsize=None)
+def _broadcast_fn(shape):
+    return jax.jit(lambda x: jnp.broadcast_to(x, shape))
+
+
+def _broadcast(x, shape):
+    return _broadcast_fn(shape)(x)
+
+
+# ---- strided reads and writes ------------------------------------------------------------
+
+
+def _chunk_plan(size, stride):
+    """Express a strided view as a slice of a reshaped contiguous chunk, if possible.
+
+    With the view's dims sorted by decreasing stride t0 > t1 > ... (each dividing the one
+    before, and each size fitting its slot), element (i0, i1, ...) sits at
+    offset + i0*t0 + i1*t1 + ..., which is entry (i0, i1, ..., 0) of the chunk
+    flat[offset : offset + s0*t0] reshaped to (s0, t0/t1, t1/t2, ..., t_last).
+    Returns (order, chunk_shape, take) or None when the view needs a gather.
+    """
+    dims = [d for d in range(len(size)) if size[d] != 1 and stride[d] != 0]
+    order = sorted(dims, key=lambda d: -stride[d])
+    if not order:
+        return order, (1,), ()
+    chunk_shape = [size[order[0]]]
+    take = [size[order[0]]]
+    for prev, d in zip(order, order[1:]):
+        tp, t = stride[prev], stride[d]
+        if t == tp or tp % t or tp // t < size[d]:
+            return None
+        chunk_shape.append(tp // t)
+        take.append(size[d])
+    chunk_shape.append(stride[order[-1]])
+    return order, tuple(chunk_shape), tuple(take)
+
+
+def _flat_indices(size, stride, offset):
+    idx = jnp.full((), offset, dtype=jnp.int64)
+    for d, (s, st) in enumerate(zip(size, stride)):
+        shape = [1] * len(size)
+        shape[d] = s
+        idx = idx + (jnp.arange(s, dtype=jnp.int64) * st).reshape(shape)
+    return jnp.broadcast_to(idx, size)
+
+
+def _padded_flat(base, need):
+    flat = base.reshape(-1)
+    if need > flat.shape[0]:
+        flat = jnp.pad(flat, (0, need - flat.shape[0]))
+    return flat
+
+
+def _view_dtype(x, dtype):
+    if x.dtype == dtype:
+        return x
+    if x.dtype == jnp.bool_ or dtype == jnp.bool_:
+        return x.astype(dtype)
+    return lax.bitcast_convert_type(x, dtype)
+
+
+@functools.lru_cache(maxsize=4096)
+def _reader(base_shape, size, stride, offset, dtype):
+    plan = _chunk_plan(size, stride)
+    numel = math.prod(size)
+
+    def read(base):
+        if numel == 0:
+            return jnp.zeros(size, dtype)
+        if plan is None:
+            flat = base.reshape(-1)
+            return _view_dtype(flat[_flat_indices(size, stride, offset)], dtype)
+        order, chunk_shape, take = plan
+        length = math.prod(chunk_shape)
+        flat = _padded_flat(base, offset + length)
+        chunk = lax.dynamic_slice(flat, (offset,), (length,)).reshape(chunk_shape)
+        x = chunk[tuple(slice(0, k) for k in take) + (0,)]
+        # x's axes follow `order`; put them back in the view's dim order, then add the
+        # size-1 and broadcast (stride-0) dims.
+        x = jnp.transpose(x, np.argsort(order)) if order else x.reshape(())
+        kept = sorted(order)
+        x = x.reshape([size[d] if d in kept else 1 for d in range(len(size))])
+        return _view_dtype(jnp.broadcast_to(x, size), dtype)
+
+    return jax.jit(read)
+
+
+@functools.lru_cache(maxsize=4096)
+def _writer(base_shape, size, stride, offset, storage_dtype):
+    plan = _chunk_plan(size, stride)
+    base_numel = math.prod(base_shape)
+
+    def write(base, value):
+        value = _view_dtype(value, storage_dtype)
+        if plan is None:
+            flat = base.reshape(-1).at[_flat_indices(size, stride, offset)].set(value)
+            return flat.reshape(base_shape)
+        order, chunk_shape, take = plan
+        length = math.prod(chunk_shape)
+        flat = _padded_flat(base, offset + length)
+        chunk = lax.dynamic_slice(flat, (offset,), (length,)).reshape(chunk_shape)
+        v = value.reshape([size[d] for d in sorted(order)]) if order else value.reshape(())
+        if order:
+            v = jnp.transpose(v, np.argsort(np.argsort(order)))
+        chunk = chunk.at[tuple(slice(0, k) for k in take) + (0,)].set(v)
+        flat = lax.dynamic_update_slice(flat, chunk.reshape(-1), (offset,))
+        return flat[:base_numel].reshape(base_shape)
+
+    return jax.jit(write)
+
+
+# ---- making tensors -----------------------------------------------------------------------
+
+
+def wrap(array, dtype: torch.dtype = None) -> torch.Tensor:
+    """A new pjrt tensor owning `array`."""
+    if dtype is None:
+        dtype = dtypes.to_torch(array.dtype)
+    t = _create_empty(array.shape, dtype)
+    t.untyped_storage()._pjrt = Storage(array, dtype)
+    return t
+
+
+def empty(shape, dtype: torch.dtype) -> torch.Tensor:
+    """A new pjrt tensor whose storage is not yet materialized."""
+    shape = tuple(shape)
+    dtypes.to_jax(dtype)
+    t = _create_empty(shape, dtype)
+    t.untyped_storage()._pjrt = Storage(None, dtype, shape)
+    return t
+
+
+def alias(base: torch.Tensor, size, stride, offset, dtype: torch.dtype = None) -> torch.Tensor:
+    """A new pjrt tensor sharing `base`'s storage with the given geometry (a view)."""
+    t = _create_empty((0,), dtype or base.dtype)
+    _set_storage.redispatch(_META, t, base.untyped_storage(), offset, size, stride)
+    return t
+
+
+def set_geometry(t: torch.Tensor, size, stride, offset) -> None:
+    """Change `t`'s sizes/strides/offset in place (metadata only)."""
+    _set_storage.redispatch(_META, t, t.untyped_storage(), offset, size, stride)
+
+
+def resize(t: torch.Tensor, size) -> None:
+    """PyTorch's resize_: keep the storage, grow it (zero-filled) if it is too small."""
+    size = tuple(int(s) for s in size)
+    st = t.untyped_storage()._pjrt
+    offset = t.storage_offset() if math.prod(size) else 0
+    need = offset + math.prod(size)
+    if need > st.numel:
+        old = st.value().reshape(-1)
+        grown = _grow(old, need)
+        st.replace(grown)
+    stride = contiguous_strides(size)
+    set_geometry(t, size, stride, offset)
+
+
+@functools.lru_cache(maxsize=None)
+def _grow_fn(old_n, new_n, dtype):
+    return jax.jit(lambda x: jnp.concatenate([x, jnp.zeros((new_n - old_n,), dtype)]))
+
+
+def _grow(flat, n):
+    return _grow_fn(flat.shape[0], n, flat.dtype)(flat)
+
+
+def contiguous_strides(size):
+    stride, acc = [], 1
+    for s in reversed(size):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+# ---- synchronization -----------------------------------------------------------------------
+
+
+def synchronize_all():
+    """Block until every live device array is computed (dispatch is asynchronous)."""
+    for a in jax.live_arrays():
+        try:
+            a.block_until_ready()
+        except Exception:  # noqa: BLE001 - a deleted or donated buffer has nothing to wait for
+            pass
