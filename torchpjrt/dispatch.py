@@ -45,11 +45,11 @@ TENSOR, OPT_TENSOR, TENSOR_LIST, SCALAR, STATIC = range(5)
 def _arg_kind(arg):
     t = arg.type
     s = str(t)
-    if s in ("Tensor", "Tensor?"):
+    if s in ("Tensor", "Optional[Tensor]"):
         return TENSOR
-    if s in ("Tensor[]", "Tensor?[]", "List[Tensor]", "List[Optional[Tensor]]"):
+    if s in ("List[Tensor]", "List[Optional[Tensor]]"):
         return TENSOR_LIST
-    if s in ("Scalar", "Scalar?", "number", "number?"):
+    if s in ("number", "Optional[number]"):
         return SCALAR
     return STATIC
 
@@ -192,32 +192,26 @@ class LoweredKernel:
 
     def compute(self, vals):
         """The lowering's outputs (a tuple of jax arrays) for normalized argument values."""
-        n = self.n_inputs
-        kinds = self.sig.kinds
         key = []
         dyn = []
-        for i in range(n):
+        static_positions = self._static_positions
+        for i, k in self.plan:
             v = vals[i]
-            k = kinds[i]
             if k == TENSOR:
-                if v is None:
-                    key.append(None)
+                try:
+                    st = v.untyped_storage()._pjrt
+                except AttributeError:
+                    self._odd_tensor_arg(v, key, dyn)
                     continue
-                if not isinstance(v, torch.Tensor):
-                    # a wrapped Python number (x + 1 arrives as add.Tensor(x, 1))
-                    key.append(("n", type(v)) if not isinstance(v, bool) else ("b", v))
-                    if not isinstance(v, bool):
-                        dyn.append(v)
-                    continue
-                if v.device.type != "pjrt":
-                    v = _host_scalar(v)
-                    key.append(("host", v.dtype))
-                    dyn.append(v)
-                    continue
-                key.append((v.shape, v.dtype))
-                dyn.append(storage.read(v))
+                key.append(v.shape)
+                key.append(v.dtype)
+                if v.shape == st.shape and v.dtype == st.dtype and v.storage_offset() == 0 and v.is_contiguous() \
+                        and st.array is not None:
+                    dyn.append(st.array)
+                else:
+                    dyn.append(storage.read(v))
             elif k == SCALAR:
-                if v is None or isinstance(v, bool) or i in self._static_positions:
+                if scalar_is_static(v, i, static_positions):
                     key.append(("s", v))
                 else:
                     if isinstance(v, torch.Tensor):
@@ -251,6 +245,33 @@ class LoweredKernel:
         stats["lowered"] += 1
         return fn(*dyn)
 
+    @staticmethod
+    def _odd_tensor_arg(v, key, dyn):
+        """A Tensor-typed argument that is None, a Python number, or a CPU scalar tensor."""
+        if v is None:
+            key.append(None)
+        elif not isinstance(v, torch.Tensor):
+            # a wrapped Python number (x + 2 arrives as add.Tensor(x, 2))
+            if isinstance(v, bool) or v == 1:
+                key.append(("s", v))
+            else:
+                key.append(("n", type(v)))
+                dyn.append(v)
+        elif v.device.type == "pjrt":
+            raise RuntimeError("torchpjrt: this pjrt tensor has no device data (internal error)")
+        else:
+            h = _host_scalar(v)
+            key.append(("host", h.dtype))
+            dyn.append(h)
+
+    @property
+    def plan(self):
+        try:
+            return self.__dict__["_plan"]
+        except KeyError:
+            p = self.__dict__["_plan"] = [(i, self.sig.kinds[i]) for i in range(self.n_inputs)]
+            return p
+
     @property
     def _static_positions(self):
         try:
@@ -276,6 +297,12 @@ class LoweredKernel:
         return fn
 
 
+def scalar_is_static(v, i, static_positions):
+    """Scalars are traced (a new learning rate must not recompile) except None, bools, the
+    common value 1 (alpha=1), and those a lowering asks to see as Python values."""
+    return v is None or isinstance(v, bool) or (type(v) is int and v == 1) or i in static_positions
+
+
 def _host_scalar(t):
     if t.dim() != 0:
         raise _device_error(t)
@@ -298,12 +325,16 @@ def _compile(lowering, sig, vals, static_positions, expected):
     for i, v in enumerate(vals):
         k = kinds[i]
         if k == TENSOR:
-            if v is not None and not isinstance(v, bool):
+            if isinstance(v, torch.Tensor):
                 dynamic.append(i)
+            elif v is not None and not (isinstance(v, bool) or v == 1):
+                dynamic.append(i)
+            else:
+                template[i] = v
         elif k == TENSOR_LIST:
             dynamic.append(i)
         elif k == SCALAR:
-            if not (v is None or isinstance(v, bool) or i in static_positions):
+            if not scalar_is_static(v, i, static_positions):
                 dynamic.append(i)
             elif isinstance(v, torch.Tensor):
                 template[i] = v.item()
@@ -335,7 +366,7 @@ def _compile(lowering, sig, vals, static_positions, expected):
 
 
 def _returns_list(schema):
-    return len(schema.returns) == 1 and str(schema.returns[0].type) in ("Tensor[]", "List[Tensor]")
+    return len(schema.returns) == 1 and str(schema.returns[0].type) == "List[Tensor]"
 
 
 def _wrap_outputs(schema, outs, vals, sig, mutated_written=()):

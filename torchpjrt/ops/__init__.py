@@ -66,6 +66,7 @@ _FAMILIES = (
     "conv",
     "random",
     "factory",
+    "foreach",
 )
 
 
