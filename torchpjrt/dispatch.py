@@ -944,6 +944,23 @@ def derived_overloads(op):
     return found
 
 
+def _inplace_view_ops():
+    """Metadata-only in-place ops (t_, transpose_, as_strided_, ...). Their composite kernels
+    would bounds-check against the c10 storage, which holds no bytes here."""
+    found = []
+    for name in ("as_strided_", "t_", "transpose_", "squeeze_", "unsqueeze_", "swapdims_", "swapaxes_"):
+        packet = getattr(aten, name)
+        found.extend(getattr(packet, ov) for ov in packet.overloads())
+    return found
+
+
+def _bound(handler, op):
+    def kernel(*args, **kwargs):
+        return handler(op, args, kwargs)
+
+    return kernel
+
+
 def register():
     from .ops import load_all
 
@@ -952,6 +969,8 @@ def register():
     _libs.append(lib)
     for name, fn in SPECIAL_KERNELS.items():
         lib.impl(name, fn, "PrivateUse1")
+    for op in _inplace_view_ops():
+        lib.impl(_qualname(op), _bound(inplace_view_kernel, op), "PrivateUse1")
     for op, lowering in TABLE.items():
         if _qualname(op) in SPECIAL_KERNELS:
             continue

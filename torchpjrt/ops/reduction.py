@@ -1,1 +1,374 @@
-"""placeholder"""
+"""Reductions and scans: sum, mean, max/min, var/std, norms, cumulative ops, any/all.
+
+PyTorch's meta kernels run first: they raise PyTorch's errors (empty max, mean of ints)
+and give the result dtype every output is cast to. These functions therefore only need
+the right values; they accumulate low-precision floats in float32 as PyTorch's CPU does.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..dtypes import to_jax
+from . import aten, lower
+
+_LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+# ---- helpers --------------------------------------------------------------------------------
+
+
+def _axes(x, dim, empty_is_all=True):
+    """Normalized reduction axes. None (and [] where empty_is_all) mean every dim; a 0-d
+    tensor accepts dim 0/-1 and reduces nothing."""
+    if isinstance(dim, int):
+        dim = (dim,)
+    if dim is None or (len(dim) == 0 and empty_is_all):
+        return tuple(range(x.ndim))
+    if x.ndim == 0:
+        return ()
+    return tuple(sorted({d % x.ndim for d in dim}))
+
+
+def _count(x, axes):
+    return math.prod(x.shape[a] for a in axes)
+
+
+def _is_float(x):
+    return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _acc(x, dtype=None):
+    """The input in the dtype to accumulate in: `dtype=` if given, int64 for integers and
+    bools (sum/prod/cumsum promote), float32 for bfloat16/float16."""
+    x = jnp.asarray(x)
+    if dtype is not None:
+        x = x.astype(to_jax(dtype))
+    elif not _is_float(x):
+        x = x.astype(jnp.int64)
+    if x.dtype in _LOW_PRECISION:
+        x = x.astype(jnp.float32)
+    return x
+
+
+def _upcast(x):
+    """Low-precision floats to float32, integers to the default float; for float-only math."""
+    x = jnp.asarray(x)
+    if x.dtype in _LOW_PRECISION:
+        return x.astype(jnp.float32)
+    if not _is_float(x):
+        return x.astype(jnp.float32)
+    return x
+
+
+def _scan_axis(x, dim):
+    return dim % x.ndim if x.ndim else None
+
+
+# ---- sum / mean / prod ----------------------------------------------------------------------
+
+
+@lower(aten.sum.default)
+def sum_(self, dtype=None):
+    return jnp.sum(_acc(self, dtype))
+
+
+@lower(aten.sum.dim_IntList)
+def sum_dim(self, dim, keepdim=False, dtype=None):
+    x = _acc(self, dtype)
+    return jnp.sum(x, axis=_axes(x, dim), keepdims=keepdim)
+
+
+@lower(aten.nansum.default)
+def nansum(self, dim=None, keepdim=False, dtype=None):
+    x = _acc(self, dtype)
+    return jnp.nansum(x, axis=_axes(x, dim), keepdims=keepdim)
+
+
+@lower(aten.mean.default)
+def mean(self, dtype=None):
+    return jnp.mean(_acc(self, dtype))
+
+
+@lower(aten.mean.dim)
+def mean_dim(self, dim, keepdim=False, dtype=None):
+    x = _acc(self, dtype)
+    return jnp.mean(x, axis=_axes(x, dim), keepdims=keepdim)
+
+
+@lower(aten.nanmean.default)
+def nanmean(self, dim=None, keepdim=False, dtype=None):
+    x = _acc(self, dtype)
+    return jnp.nanmean(x, axis=_axes(x, dim), keepdims=keepdim)
+
+
+@lower(aten.prod.default)
+def prod(self, dtype=None):
+    return jnp.prod(_acc(self, dtype))
+
+
+@lower(aten.prod.dim_int)
+def prod_dim(self, dim, keepdim=False, dtype=None):
+    x = _acc(self, dtype)
+    return jnp.prod(x, axis=_axes(x, dim), keepdims=keepdim)
+
+
+# ---- max / min / arg ------------------------------------------------------------------------
+# XLA's max/min propagate NaN and argmax/argmin pick the first NaN, then the first extreme
+# value: both as PyTorch.
+
+
+@lower(aten.max.default)
+def max_(self):
+    return jnp.max(self)
+
+
+@lower(aten.min.default)
+def min_(self):
+    return jnp.min(self)
+
+
+@lower(aten.amax.default)
+def amax(self, dim=(), keepdim=False):
+    return jnp.max(self, axis=_axes(self, dim), keepdims=keepdim)
+
+
+@lower(aten.amin.default)
+def amin(self, dim=(), keepdim=False):
+    return jnp.min(self, axis=_axes(self, dim), keepdims=keepdim)
+
+
+def _arg_extreme(x, dim, keepdim, argfn):
+    if dim is None:
+        i = argfn(x.reshape(-1))
+        return i.reshape((1,) * x.ndim) if keepdim else i
+    if x.ndim == 0:
+        return jnp.zeros((), jnp.int64)
+    return argfn(x, axis=dim % x.ndim, keepdims=keepdim)
+
+
+@lower(aten.argmax.default)
+def argmax(self, dim=None, keepdim=False):
+    return _arg_extreme(self, dim, keepdim, jnp.argmax)
+
+
+@lower(aten.argmin.default)
+def argmin(self, dim=None, keepdim=False):
+    return _arg_extreme(self, dim, keepdim, jnp.argmin)
+
+
+def _extreme_with_index(x, dim, keepdim, argfn):
+    if x.ndim == 0:
+        return x, jnp.zeros((), jnp.int64)
+    axis = dim % x.ndim
+    idx = argfn(x, axis=axis, keepdims=True)
+    values = jnp.take_along_axis(x, idx, axis=axis)
+    if not keepdim:
+        values, idx = jnp.squeeze(values, axis), jnp.squeeze(idx, axis)
+    return values, idx
+
+
+@lower(aten.max.dim)
+def max_dim(self, dim, keepdim=False):
+    return _extreme_with_index(self, dim, keepdim, jnp.argmax)
+
+
+@lower(aten.min.dim)
+def min_dim(self, dim, keepdim=False):
+    return _extreme_with_index(self, dim, keepdim, jnp.argmin)
+
+
+@lower(aten.aminmax.default)
+def aminmax(self, dim=None, keepdim=False):
+    axes = _axes(self, dim)
+    return jnp.min(self, axis=axes, keepdims=keepdim), jnp.max(self, axis=axes, keepdims=keepdim)
+
+
+# ---- var / std ------------------------------------------------------------------------------
+
+
+def _var_mean(self, dim, correction, keepdim):
+    x = _upcast(self)
+    axes = _axes(x, dim)
+    m = jnp.mean(x, axis=axes, keepdims=True)
+    d = x - m
+    ss = jnp.sum(jnp.real(d * jnp.conj(d)), axis=axes, keepdims=keepdim)
+    correction = 1 if correction is None else correction
+    # PyTorch divides by max(N - correction, 0): 0/0 -> nan, x/0 -> inf
+    var = ss / jnp.maximum(_count(x, axes) - correction, 0)
+    return var, (m if keepdim else jnp.squeeze(m, axes))
+
+
+@lower(aten.var.correction)
+def var(self, dim=None, correction=None, keepdim=False):
+    return _var_mean(self, dim, correction, keepdim)[0]
+
+
+@lower(aten.std.correction)
+def std(self, dim=None, correction=None, keepdim=False):
+    return jnp.sqrt(_var_mean(self, dim, correction, keepdim)[0])
+
+
+@lower(aten.var_mean.correction)
+def var_mean(self, dim=None, correction=None, keepdim=False):
+    return _var_mean(self, dim, correction, keepdim)
+
+
+@lower(aten.std_mean.correction)
+def std_mean(self, dim=None, correction=None, keepdim=False):
+    v, m = _var_mean(self, dim, correction, keepdim)
+    return jnp.sqrt(v), m
+
+
+# ---- norms / logsumexp ----------------------------------------------------------------------
+
+
+def _vector_norm(x, ord, dim, keepdim, dtype):
+    x = _acc(x, dtype) if dtype is not None else _upcast(x)
+    axes = _axes(x, dim)
+    a = jnp.abs(x)
+    if ord == math.inf:
+        return jnp.max(a, axis=axes, keepdims=keepdim)
+    if ord == -math.inf:
+        return jnp.min(a, axis=axes, keepdims=keepdim)
+    if ord == 0:
+        return jnp.sum((a != 0).astype(a.dtype), axis=axes, keepdims=keepdim)
+    if ord == 1:
+        return jnp.sum(a, axis=axes, keepdims=keepdim)
+    if ord == 2:
+        return jnp.sqrt(jnp.sum(a * a, axis=axes, keepdims=keepdim))
+    return jnp.sum(a**ord, axis=axes, keepdims=keepdim) ** (1.0 / ord)
+
+
+@lower(aten.linalg_vector_norm.default, static=("ord",))
+def linalg_vector_norm(self, ord=2, dim=None, keepdim=False, dtype=None):
+    return _vector_norm(self, ord, dim, keepdim, dtype)
+
+
+@lower(aten.norm.Scalar, static=("p",))
+def norm(self, p=2):
+    return _vector_norm(self, p, None, False, None)
+
+
+@lower(aten.norm.ScalarOpt_dtype, static=("p",))
+def norm_dtype(self, p, dtype):
+    return _vector_norm(self, 2 if p is None else p, None, False, dtype)
+
+
+@lower(aten.norm.ScalarOpt_dim, static=("p",))
+def norm_dim(self, p, dim, keepdim=False):
+    return _vector_norm(self, 2 if p is None else p, dim, keepdim, None)
+
+
+@lower(aten.norm.ScalarOpt_dim_dtype, static=("p",))
+def norm_dim_dtype(self, p, dim, keepdim, dtype):
+    return _vector_norm(self, 2 if p is None else p, dim, keepdim, dtype)
+
+
+@lower(aten.logsumexp.default)
+def logsumexp(self, dim, keepdim=False):
+    x = _upcast(self)
+    # jax's logsumexp shifts by the max, zeroed where infinite: PyTorch's formula
+    return jax.nn.logsumexp(x, axis=_axes(x, dim), keepdims=keepdim)
+
+
+# ---- cumulative ops -------------------------------------------------------------------------
+
+
+@lower(aten.cumsum.default)
+def cumsum(self, dim, dtype=None):
+    x = _acc(self, dtype)
+    return x if x.ndim == 0 else jnp.cumsum(x, axis=_scan_axis(x, dim))
+
+
+@lower(aten.cumprod.default)
+def cumprod(self, dim, dtype=None):
+    x = _acc(self, dtype)
+    return x if x.ndim == 0 else jnp.cumprod(x, axis=_scan_axis(x, dim))
+
+
+@lower(aten.logcumsumexp.default, aten._logcumsumexp.default)
+def logcumsumexp(self, dim):
+    x = _upcast(self)
+    return x if x.ndim == 0 else lax.cumlogsumexp(x, axis=_scan_axis(x, dim))
+
+
+def _cum_extreme(x, dim, better):
+    """Running extreme and its index. Ties take the later index and NaN beats everything
+    (the latest NaN wins), as PyTorch's CPU kernel: a max over a total order, so the
+    combine is associative."""
+    if x.ndim == 0:
+        return x, jnp.zeros((), jnp.int64)
+    axis = _scan_axis(x, dim)
+    idx = lax.broadcasted_iota(jnp.int64, x.shape, axis)
+    is_float = _is_float(x)
+
+    def combine(a, b):
+        (av, ai), (bv, bi) = a, b
+        take_b = better(bv, av) | (bv == av)
+        if is_float:
+            take_b = jnp.isnan(bv) | (~jnp.isnan(av) & take_b)
+        return jnp.where(take_b, bv, av), jnp.where(take_b, bi, ai)
+
+    if x.shape[axis] == 0:
+        return x, idx
+    return lax.associative_scan(combine, (x, idx), axis=axis)
+
+
+@lower(aten.cummax.default)
+def cummax(self, dim):
+    return _cum_extreme(self, dim, jnp.greater)
+
+
+@lower(aten.cummin.default)
+def cummin(self, dim):
+    return _cum_extreme(self, dim, jnp.less)
+
+
+# ---- any / all / count_nonzero --------------------------------------------------------------
+
+
+def _nonzero(x):
+    return jnp.asarray(x) != 0
+
+
+@lower(aten.any.default)
+def any_(self):
+    return jnp.any(_nonzero(self))
+
+
+@lower(aten.any.dim)
+def any_dim(self, dim, keepdim=False):
+    return jnp.any(_nonzero(self), axis=_axes(self, dim), keepdims=keepdim)
+
+
+@lower(aten.any.dims)
+def any_dims(self, dim=None, keepdim=False):
+    return jnp.any(_nonzero(self), axis=_axes(self, dim, empty_is_all=False), keepdims=keepdim)
+
+
+@lower(aten.all.default)
+def all_(self):
+    return jnp.all(_nonzero(self))
+
+
+@lower(aten.all.dim)
+def all_dim(self, dim, keepdim=False):
+    return jnp.all(_nonzero(self), axis=_axes(self, dim), keepdims=keepdim)
+
+
+@lower(aten.all.dims)
+def all_dims(self, dim=None, keepdim=False):
+    return jnp.all(_nonzero(self), axis=_axes(self, dim, empty_is_all=False), keepdims=keepdim)
+
+
+@lower(aten.count_nonzero.dim_IntList)
+def count_nonzero_dims(self, dim):
+    return jnp.sum(_nonzero(self), axis=_axes(self, dim), dtype=jnp.int64)
+
+
+@lower(aten.count_nonzero.default)
+def count_nonzero(self, dim=None):
+    return jnp.sum(_nonzero(self), axis=_axes(self, dim), dtype=jnp.int64)

@@ -1,0 +1,102 @@
+"""The device itself: registration, torch.pjrt, errors for what is not supported."""
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import torchpjrt
+
+
+def test_plain_tensor_on_pjrt_device():
+    x = torch.randn(4, 8, device="pjrt")
+    assert type(x) is torch.Tensor
+    assert x.device == torch.device("pjrt:0")
+    assert x.is_pjrt
+    assert torch.device("pjrt").type == "pjrt"
+
+
+def test_device_module():
+    assert torch.pjrt.is_available()
+    assert torch.pjrt.device_count() >= 1
+    assert torch.pjrt.current_device() == 0
+    torch.pjrt.set_device(0)
+    assert torch.pjrt.platform() in ("cpu", "gpu", "tpu", "cuda", "rocm") or torch.pjrt.platform()
+    torch.pjrt.synchronize()
+    assert isinstance(torch.pjrt.memory_stats(), dict)
+    assert torch.pjrt.memory_allocated() >= 0
+    assert isinstance(torch.pjrt.get_device_name(), str)
+
+
+def test_manual_seed_reproduces_random_numbers():
+    torch.manual_seed(123)
+    a = torch.randn(5, device="pjrt").cpu()
+    b = torch.rand(5, device="pjrt").cpu()
+    torch.manual_seed(123)
+    assert torch.equal(a, torch.randn(5, device="pjrt").cpu())
+    assert torch.equal(b, torch.rand(5, device="pjrt").cpu())
+    assert not torch.equal(a, torch.randn(5, device="pjrt").cpu())
+    torch.pjrt.manual_seed(7)
+    c = torch.randn(3, device="pjrt").cpu()
+    torch.pjrt.manual_seed_all(7)
+    assert torch.equal(c, torch.randn(3, device="pjrt").cpu())
+
+
+def test_rng_state_roundtrip():
+    torch.manual_seed(5)
+    state = torch.pjrt.get_rng_state()
+    a = torch.randn(4, device="pjrt").cpu()
+    torch.pjrt.set_rng_state(state)
+    assert torch.equal(a, torch.randn(4, device="pjrt").cpu())
+
+
+def test_int64_and_float64_are_kept():
+    x = torch.tensor([2**40, 3], device="pjrt")
+    assert x.dtype == torch.int64
+    assert (x * 2).cpu().tolist() == [2**41, 6]
+    d = torch.tensor([1e-300], dtype=torch.float64, device="pjrt")
+    assert (d * 1e-5).cpu().item() == pytest.approx(1e-305)
+
+
+def test_unsupported_op_names_the_overload():
+    x = torch.randn(8, device="pjrt")
+    with pytest.raises(NotImplementedError, match=r"aten::_fft_r2c.*TORCHPJRT_CPU_FALLBACK=1"):
+        torch.fft.rfft(x)
+
+
+def test_cpu_fallback_is_opt_in_warns_and_counts(monkeypatch):
+    monkeypatch.setenv("TORCHPJRT_CPU_FALLBACK", "1")
+    x = torch.randn(8)
+    before = torchpjrt.cpu_fallback_counts["aten::_fft_r2c.default"]
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        out = torch.fft.rfft(x.to("pjrt"))
+    assert out.device.type == "pjrt"
+    torch.testing.assert_close(out.cpu(), torch.fft.rfft(x))
+    assert torchpjrt.cpu_fallback_counts["aten::_fft_r2c.default"] == before + 1
+
+
+def test_other_device_index_is_a_clear_error():
+    with pytest.raises((RuntimeError, NotImplementedError), match="pjrt:3"):
+        torch.zeros(2, device="pjrt:3")
+
+
+def test_missing_platform_is_a_clear_error():
+    code = "import torch, torchpjrt; torch.zeros(1, device='pjrt')"
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**__import__("os").environ, "TORCHPJRT_PLATFORM": "no_such_platform"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode != 0
+    assert "TORCHPJRT_PLATFORM='no_such_platform'" in r.stderr
+
+
+def test_op_stats_counts_paths():
+    before = torchpjrt.op_stats().get("lowered", 0)
+    torch.ones(3, device="pjrt") + 1
+    assert torchpjrt.op_stats()["lowered"] > before
