@@ -12,6 +12,10 @@ from . import dispatch as _dispatch  # noqa: E402
 
 _dispatch.register()
 
+from . import untyped_storage as _untyped_storage  # noqa: E402
+
+_untyped_storage.install()
+
 from .dispatch import cpu_fallback_counts  # noqa: E402,F401
 
 

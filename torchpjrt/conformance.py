@@ -200,6 +200,8 @@ def main(argv=None):
     p.add_argument("--only", default="", help="comma-separated OpInfo names")
     p.add_argument("--json", default=None, help="write per-op results here")
     p.add_argument("--max-samples", type=int, default=None)
+    p.add_argument("--write-baseline", default=None, metavar="PATH",
+                   help="write the names of passing ops (the regression baseline CI checks)")
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)
     only = set(filter(None, a.only.split(",")))
@@ -227,6 +229,17 @@ def main(argv=None):
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1, sort_keys=True)
+    if a.write_baseline:
+        kind = "backward" if a.grad else "forward"
+        try:
+            with open(a.write_baseline) as f:
+                baseline = json.load(f)
+        except FileNotFoundError:
+            baseline = {}
+        for dname, res in results.items():
+            baseline[f"{kind}_{dname}"] = sorted(k for k, r in res.items() if r["status"] == "pass")
+        with open(a.write_baseline, "w") as f:
+            json.dump(baseline, f, indent=1, sort_keys=True)
     return 0
 
 

@@ -94,6 +94,23 @@ def set_device(device) -> None:
     _current_device = index
 
 
+class device:
+    """Context manager selecting a pjrt device, like torch.cuda.device."""
+
+    def __init__(self, device):
+        self.index = _index(device) if device is not None else None
+
+    def __enter__(self):
+        self.prev = _current_device
+        if self.index is not None:
+            set_device(self.index)
+        return self
+
+    def __exit__(self, *exc):
+        set_device(self.prev)
+        return False
+
+
 def platform() -> str:
     """The JAX platform of the pjrt devices: 'cpu', 'gpu', 'tpu', ..."""
     return jax_devices()[0].platform

@@ -886,13 +886,24 @@ def k_set_source_tensor(self, source):
 
 
 def k_set_source_storage(self, source):
+    _check_pjrt_storage(source)
     _set.source_Storage.redispatch(storage._META, self, source)
+    storage.adopt_raw_bytes(self)
     return self
 
 
 def k_set_source_storage_offset(self, source, storage_offset, size, stride=()):
+    _check_pjrt_storage(source)
     _set.source_Storage_storage_offset.redispatch(storage._META, self, source, storage_offset, size, stride)
+    storage.adopt_raw_bytes(self)
     return self
+
+
+def _check_pjrt_storage(source):
+    if not hasattr(source, "_pjrt"):
+        raise RuntimeError(
+            f"torchpjrt: cannot set a pjrt tensor onto a storage on {source.device} without device data"
+        )
 
 
 def k_set_empty(self):

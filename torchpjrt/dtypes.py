@@ -67,8 +67,8 @@ def numpy_from_cpu_tensor(t: torch.Tensor) -> np.ndarray:
 def cpu_tensor_from_numpy(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     via = _HOST_BITCAST.get(dtype)
     a = np.ascontiguousarray(a)
-    if via is not None:
-        return torch.from_numpy(a.view(via[1])).view(dtype)
     if not a.flags.writeable:
         a = a.copy()
+    if via is not None:
+        return torch.from_numpy(a.view(via[1])).view(dtype)
     return torch.from_numpy(a)

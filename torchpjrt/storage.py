@@ -30,7 +30,7 @@ _set_storage = torch.ops.aten.set_.source_Storage_storage_offset
 class Storage:
     """The device memory behind one c10 storage: a JAX array and a version counter."""
 
-    __slots__ = ("array", "shape", "dtype", "version", "views", "__weakref__")
+    __slots__ = ("array", "shape", "dtype", "version", "views", "raw", "__weakref__")
 
     def __init__(self, array, dtype: torch.dtype, shape=None):
         self.array = array  # None until first written: an uninitialized (empty) storage
@@ -38,6 +38,7 @@ class Storage:
         self.dtype = dtype
         self.version = 0
         self.views = None  # {(geometry, dtype): (version, array)} for materialized views
+        self.raw = False  # untyped bytes (from torch.load): retyped by the first tensor set on it
 
     @property
     def numel(self):
@@ -63,6 +64,37 @@ def _zeros_fn(shape, dtype):
 
 def _zeros(shape, dtype):
     return _zeros_fn(shape, dtype)()
+
+
+def default_device():
+    from .device import jax_device
+
+    return jax_device(0)
+
+
+def adopt_raw_bytes(t: torch.Tensor) -> None:
+    """A tensor was set onto untyped bytes: reinterpret them as the tensor's dtype."""
+    st = t.untyped_storage()._pjrt
+    if not st.raw or t.dtype == torch.uint8:
+        return
+    k = t.dtype.itemsize
+    flat = st.value().reshape(-1)
+    if flat.shape[0] % k:
+        raise RuntimeError(f"torchpjrt: {flat.shape[0]} bytes do not hold a whole number of {t.dtype}")
+    jd = dtypes.to_jax(t.dtype)
+    typed = _bytes_as(flat.shape[0] // k, k, jd)(flat)
+    st.raw = False
+    st.dtype = t.dtype
+    st.replace(typed)
+
+
+@functools.lru_cache(maxsize=None)
+def _bytes_as(n, k, dtype):
+    if dtype == jnp.bool_:
+        return jax.jit(lambda b: b.astype(jnp.bool_))
+    if k == 1:
+        return jax.jit(lambda b: lax.bitcast_convert_type(b, dtype))
+    return jax.jit(lambda b: lax.bitcast_convert_type(b.reshape(n, k), dtype))
 
 
 def storage_of(t: torch.Tensor) -> Storage:

@@ -1,1 +1,108 @@
-"""placeholder"""
+"""Factories that reach the backend: arange, linspace, logspace, eye, tril/triu_indices.
+
+Most factories (zeros, ones, full, scalar_tensor, rand...) are CompositeExplicitAutograd
+and arrive as empty + fill_/zero_/uniform_; these are the ones that would otherwise reach
+an `out=` kernel. Their `dtype`/`layout`/`device`/`pin_memory` arrive as Python values; a
+None dtype is PyTorch's default (the dispatcher casts to the meta kernel's result dtype),
+but values that depend on the dtype (integer truncation) are computed for it here.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from .. import dtypes
+from . import aten, lower
+
+
+def schema_dtype(dtype):
+    """A dtype argument as a torch.dtype: schema defaults arrive as c10 ScalarType numbers
+    (aten's only one is 4, Long, in randint/randperm/tril_indices/triu_indices)."""
+    return torch.int64 if dtype == 4 and not isinstance(dtype, torch.dtype) else dtype
+
+
+def _default_float(dtype):
+    return dtypes.to_jax(dtype or torch.get_default_dtype())
+
+
+def _is_int(jdtype):
+    return jnp.issubdtype(jdtype, jnp.integer) or jdtype == jnp.bool_
+
+
+# The length depends on the values, so start/end/step are static.
+@lower(aten.arange.start_step, static=("start", "end", "step"))
+def arange(start, end, step=1, dtype=None, layout=None, device=None, pin_memory=None):
+    # PyTorch's own rules for the length and the inferred dtype (they differ per dtype)
+    meta = torch.arange(start, end, step, dtype=dtype, device="meta")
+    out = dtypes.to_jax(meta.dtype)
+    # like PyTorch's CPU kernel: start + i*step in int64 for integers, float64 otherwise
+    if _is_int(out):
+        start, step, acc = int(start), int(step), jnp.int64
+    else:
+        acc = jnp.float64
+    return (start + step * jnp.arange(meta.numel(), dtype=acc)).astype(out)
+
+
+def _linspace(start, end, steps, dtype):
+    """PyTorch's CPU linspace: the first half counts up from start, the rest down from end."""
+    start, end = jnp.asarray(start), jnp.asarray(end)
+    if dtype is None and (jnp.iscomplexobj(start) or jnp.iscomplexobj(end)):
+        out = jnp.promote_types(_default_float(None), jnp.complex64)
+    else:
+        out = _default_float(dtype)
+    acc = jnp.complex128 if jnp.iscomplexobj(jnp.zeros((), out)) else jnp.float64
+    if _is_int(out):  # integer outputs use integer start/end and a float step
+        start, end = jnp.trunc(start.real), jnp.trunc(end.real)
+    start, end = start.astype(acc), end.astype(acc)
+    if steps == 1:
+        return jnp.broadcast_to(start, (1,)).astype(out)
+    idx = jnp.arange(steps, dtype=jnp.float64)
+    step = (end - start) / max(steps - 1, 1)
+    values = jnp.where(idx < steps // 2, start + step * idx, end - step * (steps - 1 - idx))
+    return values.astype(out)
+
+
+@lower(aten.linspace.default, aten.linspace.Tensor_Tensor, aten.linspace.Tensor_Scalar,
+       aten.linspace.Scalar_Tensor)
+def linspace(start, end, steps, dtype=None, layout=None, device=None, pin_memory=None):
+    return _linspace(start, end, steps, dtype)
+
+
+@lower(aten.logspace.default, aten.logspace.Tensor_Tensor, aten.logspace.Tensor_Scalar,
+       aten.logspace.Scalar_Tensor)
+def logspace(start, end, steps, base=10.0, dtype=None, layout=None, device=None, pin_memory=None):
+    out = _default_float(dtype)
+    if _is_int(out):  # PyTorch truncates the exponents for integer outputs
+        start, end = jnp.trunc(jnp.asarray(start)), jnp.trunc(jnp.asarray(end))
+    return jnp.power(base, _linspace(start, end, steps, torch.float64)).astype(out)
+
+
+@lower(aten.eye.default)
+def eye(n, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.eye(n, dtype=_default_float(dtype))
+
+
+@lower(aten.eye.m)
+def eye_m(n, m, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.eye(n, m, dtype=_default_float(dtype))
+
+
+def _indices(np_fn, row, col, offset, dtype):
+    rows, cols = np_fn(row, offset, col)
+    return jnp.asarray(np.stack([rows, cols]).reshape(2, -1), dtypes.to_jax(schema_dtype(dtype) or torch.int64))
+
+
+@lower(aten.tril_indices.default)
+def tril_indices(row, col, offset=0, dtype=torch.int64, layout=None, device=None, pin_memory=None):
+    return _indices(np.tril_indices, row, col, offset, dtype)
+
+
+@lower(aten.triu_indices.default)
+def triu_indices(row, col, offset=0, dtype=torch.int64, layout=None, device=None, pin_memory=None):
+    return _indices(np.triu_indices, row, col, offset, dtype)
+
+
+# A plain zero tensor: pjrt has no ZeroTensor, and zeros are what it reads as.
+@lower(aten._efficientzerotensor.default)
+def efficientzerotensor(size, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.zeros(tuple(size), _default_float(dtype))

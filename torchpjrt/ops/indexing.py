@@ -1,1 +1,576 @@
-"""placeholder"""
+"""Indexing, gathers and scatters, sorting and selection, searching and counting.
+
+Out-of-range indices: PyTorch's CPU kernels raise; these lowerings cannot check values
+inside a compiled function, so they follow JAX instead (gathers clamp, scatters drop).
+Negative indices wrap where PyTorch wraps them (advanced indexing, take, put).
+
+Ops whose output shape depends on values (bool-mask indexing, nonzero, masked_select,
+unique, bincount) are registered with dynamic_shape=True: they see concrete arrays, read
+what they must from the device, and hand the rest to jitted helpers.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from . import aten, lower
+
+
+def _wrap_dim(dim, ndim):
+    return dim + max(ndim, 1) if dim < 0 else dim
+
+
+def _is_mask(index):
+    return index is not None and index.dtype in (jnp.bool_, jnp.uint8)
+
+
+def _index_tuple(indices):
+    return tuple(slice(None) if i is None else i for i in indices)
+
+
+# ---- advanced indexing: x[idx], x[idx] = v ------------------------------------------------
+
+
+@jax.jit
+def _take_indexed(self, indices):
+    return self[_index_tuple(indices)]
+
+
+@lower(aten.index.Tensor, aten._unsafe_index.Tensor, dynamic_shape=True)
+def index(self, indices):
+    indices = list(indices)
+    if any(_is_mask(i) for i in indices):
+        # the number of selected elements is data: read the masks back (a device sync)
+        self, indices = _masks_to_nonzero(self, indices)
+    return _take_indexed(self, indices)
+
+
+def _masks_to_nonzero(self, indices):
+    expanded = []
+    for i in indices:
+        if not _is_mask(i):
+            expanded.append(i)
+        elif i.ndim == 0:
+            # a 0-d mask adds a dimension of length 1 (True) or 0 (False)
+            self = jnp.expand_dims(self, len(expanded))
+            expanded.append(jnp.nonzero(i.reshape(1))[0])
+        else:
+            expanded.extend(jnp.nonzero(i))
+    return self, expanded
+
+
+def _padded_masks(self, indices, values):
+    """Bool masks as fixed-length index arrays, so index_put compiles.
+
+    A mask of n elements selecting N of them becomes index arrays of length n whose tail
+    points out of bounds (dropped by the scatter). Index arrays and values broadcast
+    against the count N along the last advanced dimension; where they have length N there,
+    they are padded to n with entries that land on dropped positions.
+    """
+    masks = [i for i in indices if _is_mask(i)]
+    n = max(m.size for m in masks)
+    expanded = []
+    for i in indices:
+        if _is_mask(i):
+            i = i.reshape(1) if i.ndim == 0 else i
+            expanded.extend(jnp.nonzero(i, size=n, fill_value=tuple(i.shape)))
+        elif i is not None and i.ndim and i.shape[-1] != 1:
+            expanded.append(_pad_axis(i, -1, n))
+        else:
+            expanded.append(i)
+    arrays = [i for i in expanded if i is not None]
+    bshape = jnp.broadcast_shapes(*[a.shape for a in arrays])
+    positions = [p for p, i in enumerate(expanded) if i is not None]
+    adjacent = positions == list(range(positions[0], positions[-1] + 1))
+    start = positions[0] if adjacent else 0
+    rank = self.ndim - len(positions) + len(bshape)
+    axis = start + len(bshape) - 1 - (rank - values.ndim)
+    if axis >= 0 and values.shape[axis] != 1:
+        values = _pad_axis(values, axis, n)
+    return expanded, values
+
+
+def _pad_axis(x, axis, n):
+    axis = axis % x.ndim
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, n - x.shape[axis])
+    return jnp.pad(x, pad)
+
+
+def _index_put(self, indices, values, accumulate):
+    indices = list(indices)
+    values = jnp.asarray(values).astype(self.dtype)
+    if any(_is_mask(i) for i in indices):
+        indices, values = _padded_masks(self, indices, values)
+    ref = self.at[_index_tuple(indices)]
+    return ref.add(values, mode="drop") if accumulate else ref.set(values, mode="drop")
+
+
+@lower(aten.index_put.default)
+def index_put(self, indices, values, accumulate=False):
+    return _index_put(self, indices, values, accumulate)
+
+
+@lower(aten._index_put_impl_.default, mutates=("self",))
+def _index_put_impl_(self, indices, values, accumulate=False, unsafe=False):
+    return _index_put(self, indices, values, accumulate)
+
+
+# ---- index_* along one dimension ------------------------------------------------------------
+
+
+def _along(ndim, dim, index):
+    return (slice(None),) * dim + (index,)
+
+
+def _as_1d(self, index):
+    """index_* ops treat a 0-d self as 1-d and take 0-d or 1-d indices."""
+    return self.reshape(-1) if self.ndim == 0 else self, index.reshape(-1)
+
+
+@lower(aten.index_select.default)
+def index_select(self, dim, index):
+    x, index = _as_1d(self, index)
+    dim = _wrap_dim(dim, self.ndim)
+    return x[_along(x.ndim, dim, index)].reshape(_index_shape(self, dim, index))
+
+
+def _index_shape(self, dim, index):
+    if self.ndim == 0:
+        return ()
+    shape = list(self.shape)
+    shape[dim] = index.shape[0]
+    return tuple(shape)
+
+
+def _index_update(self, dim, index, source, how):
+    x, index = _as_1d(self, index)
+    dim = _wrap_dim(dim, self.ndim)
+    source = jnp.asarray(source).astype(self.dtype)
+    if self.ndim == 0 or source.ndim == 0:
+        source = jnp.broadcast_to(source.reshape(-1) if source.ndim else source, _index_shape(x, dim, index))
+    ref = x.at[_along(x.ndim, dim, index)]
+    return getattr(ref, how)(source).reshape(self.shape)
+
+
+@lower(aten.index_add.default)
+def index_add(self, dim, index, source, alpha=1):
+    if not (isinstance(alpha, int) and alpha == 1):
+        source = source * alpha
+    return _index_update(self, dim, index, source, "add")
+
+
+@lower(aten.index_copy.default)
+def index_copy(self, dim, index, source):
+    return _index_update(self, dim, index, source, "set")
+
+
+@lower(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor)
+def index_fill(self, dim, index, value):
+    x, index = _as_1d(self, index)
+    dim = _wrap_dim(dim, self.ndim)
+    return x.at[_along(x.ndim, dim, index)].set(jnp.asarray(value).astype(self.dtype)).reshape(self.shape)
+
+
+# ---- gather / scatter -------------------------------------------------------------------------
+
+
+def _gather_indices(index, dim):
+    """Full index arrays for x[...]: `index` along `dim`, positions elsewhere."""
+    return tuple(
+        index if d == dim else lax.broadcasted_iota(jnp.int64, index.shape, d) for d in range(index.ndim)
+    )
+
+
+def _scatter_setup(self, dim, index, src):
+    # scatter/gather treat 0-d tensors as 1-d
+    x = self.reshape(1) if self.ndim == 0 else self
+    index = index.reshape(1) if index.ndim == 0 else index
+    dim = _wrap_dim(dim, self.ndim)
+    src = jnp.asarray(src).astype(self.dtype)
+    if src.ndim:
+        src = src.reshape(1) if src.ndim == 0 else src
+        src = src[tuple(slice(0, s) for s in index.shape)]  # src may be larger than index
+    return x, _gather_indices(index, dim), src
+
+
+@lower(aten.gather.default)
+def gather(self, dim, index, sparse_grad=False):
+    x, idx, _ = _scatter_setup(self, dim, index, 0)
+    return x[idx].reshape(index.shape)
+
+
+def _scatter(self, dim, index, src, how):
+    x, idx, src = _scatter_setup(self, dim, index, src)
+    return getattr(x.at[idx], how)(src).reshape(self.shape)
+
+
+@lower(aten.scatter.src, aten.scatter.value)
+def scatter(self, dim, index, src):
+    return _scatter(self, dim, index, src, "set")
+
+
+_SCATTER_REDUCE = {"add": "add", "multiply": "multiply", "sum": "add", "prod": "multiply", "amax": "max", "amin": "min"}
+
+
+@lower(aten.scatter.reduce, aten.scatter.value_reduce)
+def scatter_reduce_legacy(self, dim, index, src, reduce):
+    return _scatter(self, dim, index, src, _SCATTER_REDUCE[reduce])
+
+
+@lower(aten.scatter_add.default)
+def scatter_add(self, dim, index, src):
+    return _scatter(self, dim, index, src, "add")
+
+
+def _identity(reduce, dtype):
+    if reduce in ("sum", "mean"):
+        return jnp.zeros((), dtype)
+    if reduce == "prod":
+        return jnp.ones((), dtype)
+    if jnp.issubdtype(dtype, jnp.floating):
+        return jnp.array(-jnp.inf if reduce == "amax" else jnp.inf, dtype)
+    info = jnp.iinfo(dtype) if dtype != jnp.bool_ else None
+    if info is None:
+        return jnp.array(reduce == "amin", dtype)
+    return jnp.array(info.min if reduce == "amax" else info.max, dtype)
+
+
+@lower(aten.scatter_reduce.two)
+def scatter_reduce(self, dim, index, src, reduce, include_self=True):
+    x, idx, src = _scatter_setup(self, dim, index, src)
+    counts = jnp.zeros(x.shape, jnp.int64).at[idx].add(1)
+    base = x if include_self else jnp.where(counts > 0, _identity(reduce, x.dtype), x)
+    out = getattr(base.at[idx], _SCATTER_REDUCE.get(reduce, "add"))(src)
+    if reduce in ("amax", "amin") and jnp.issubdtype(x.dtype, jnp.floating):
+        # PyTorch propagates NaN through max/min; XLA's scatter max/min may drop it
+        nan = jnp.zeros(x.shape, bool).at[idx].max(jnp.isnan(src))
+        out = jnp.where(nan, jnp.nan, out)
+    if reduce == "mean":
+        denom = jnp.maximum(counts + int(include_self), 1).astype(x.dtype)
+        out = out / denom if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.floor_divide(out, denom)
+    return out.reshape(self.shape)
+
+
+# ---- masks ---------------------------------------------------------------------------------------
+
+
+@lower(aten.masked_scatter.default)
+def masked_scatter(self, mask, source):
+    shape = jnp.broadcast_shapes(self.shape, mask.shape)
+    flat_mask = jnp.broadcast_to(mask, shape).reshape(-1)
+    flat = jnp.broadcast_to(self, shape).reshape(-1)
+    src = source.reshape(-1).astype(self.dtype)
+    if src.size == 0:
+        return flat.reshape(shape)
+    # the k-th selected position takes the k-th source element
+    pos = jnp.cumsum(flat_mask.astype(jnp.int64)) - 1
+    taken = src[jnp.clip(pos, 0, src.size - 1)]
+    return jnp.where(flat_mask, taken, flat).reshape(shape)
+
+
+@lower(aten.masked_select.default, dynamic_shape=True)
+def masked_select(self, mask):
+    shape = jnp.broadcast_shapes(self.shape, mask.shape)
+    return jnp.broadcast_to(self, shape)[jnp.broadcast_to(mask, shape)]
+
+
+@lower(aten.nonzero.default, dynamic_shape=True)
+def nonzero(self):
+    if self.ndim == 0:
+        return jnp.zeros((int(self != 0), 0), jnp.int64)
+    return jnp.argwhere(self).astype(jnp.int64)
+
+
+# ---- flat take / put -------------------------------------------------------------------------
+
+
+@lower(aten.take.default)
+def take(self, index):
+    return self.reshape(-1)[index]
+
+
+@lower(aten.put.default)
+def put(self, index, source, accumulate=False):
+    ref = self.reshape(-1).at[index.reshape(-1)]
+    src = source.reshape(-1).astype(self.dtype)
+    return (ref.add(src) if accumulate else ref.set(src)).reshape(self.shape)
+
+
+# ---- sorting and selection ------------------------------------------------------------------
+
+_INT_OF_WIDTH = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
+
+
+def _sort_key(x, descending=False):
+    """An integer key whose ascending order is PyTorch's order for x.
+
+    PyTorch sorts NaN above +inf and treats -0.0 == 0.0; the key maps floats to
+    order-preserving integers after making those two cases canonical.
+    """
+    if x.dtype == jnp.bool_:
+        key = x.astype(jnp.uint8)
+    elif jnp.issubdtype(x.dtype, jnp.floating):
+        x = jnp.where(jnp.isnan(x), jnp.array(jnp.nan, x.dtype), x)
+        x = jnp.where(x == 0, jnp.zeros((), x.dtype), x)
+        bits = lax.bitcast_convert_type(x, _INT_OF_WIDTH[x.dtype.itemsize])
+        key = jnp.where(bits < 0, bits ^ jnp.iinfo(bits.dtype).max, bits)
+    else:
+        key = x
+    return ~key if descending else key
+
+
+def _sort(x, dim, descending):
+    """(values, indices): a stable sort along dim in PyTorch's order."""
+    if x.ndim == 0:
+        return x, jnp.zeros((), jnp.int64)
+    iota = lax.broadcasted_iota(jnp.int64, x.shape, dim)
+    _, perm = lax.sort((_sort_key(x, descending), iota), dimension=dim, is_stable=True, num_keys=1)
+    return jnp.take_along_axis(x, perm, axis=dim), perm
+
+
+@lower(aten.sort.default)
+def sort(self, dim=-1, descending=False):
+    return _sort(self, _wrap_dim(dim, self.ndim), descending)
+
+
+@lower(aten.sort.stable)
+def sort_stable(self, stable, dim=-1, descending=False):
+    return _sort(self, _wrap_dim(dim, self.ndim), descending)
+
+
+@lower(aten.topk.default)
+def topk(self, k, dim=-1, largest=True, sorted=True):
+    if self.ndim == 0:
+        return self, jnp.zeros((), jnp.int64)
+    dim = _wrap_dim(dim, self.ndim)
+    # lax.top_k takes the largest keys along the last axis, lower index first on ties
+    key = jnp.moveaxis(_sort_key(self, descending=not largest), dim, -1)
+    _, idx = lax.top_k(key, k)
+    idx = jnp.moveaxis(idx, -1, dim)
+    return jnp.take_along_axis(self, idx, axis=dim), idx
+
+
+def _pick(values, perm, dim, position, keepdim):
+    """values/indices at `position` (an int or an array broadcast along dim) after a sort."""
+    position = jnp.expand_dims(jnp.asarray(position), dim) if jnp.ndim(position) else position
+    if jnp.ndim(position) == 0:
+        v = lax.dynamic_index_in_dim(values, position, dim, keepdims=True)
+        i = lax.dynamic_index_in_dim(perm, position, dim, keepdims=True)
+    else:
+        v = jnp.take_along_axis(values, position, axis=dim)
+        i = jnp.take_along_axis(perm, position, axis=dim)
+    if not keepdim:
+        v, i = jnp.squeeze(v, dim), jnp.squeeze(i, dim)
+    return v, i
+
+
+def _reduce_setup(self, dim):
+    x = self.reshape(1) if self.ndim == 0 else self
+    return x, _wrap_dim(dim, self.ndim)
+
+
+def _squeeze_0d(self, outs):
+    return tuple(o.reshape(()) for o in outs) if self.ndim == 0 else outs
+
+
+@lower(aten.kthvalue.default)
+def kthvalue(self, k, dim=-1, keepdim=False):
+    x, dim = _reduce_setup(self, dim)
+    values, perm = _sort(x, dim, False)
+    return _squeeze_0d(self, _pick(values, perm, dim, k - 1, keepdim))
+
+
+def _median(x, dim, keepdim, ignore_nan):
+    """The lower median; NaN (the first NaN's index) if a slice has one, unless ignored."""
+    values, perm = _sort(x, dim, False)
+    n = x.shape[dim]
+    reduced = tuple(s for d, s in enumerate(x.shape) if d != dim)
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        valid = jnp.sum(~jnp.isnan(x), axis=dim)
+    else:
+        valid = jnp.full(reduced, n)
+    # NaNs sort last: the first NaN sits at position `valid`
+    position = jnp.maximum(valid - 1, 0) // 2 if ignore_nan else jnp.where(valid < n, valid, (n - 1) // 2)
+    return _pick(values, perm, dim, position, keepdim)
+
+
+@lower(aten.median.default)
+def median(self):
+    return _median(self.reshape(-1), 0, False, False)[0]
+
+
+@lower(aten.nanmedian.default)
+def nanmedian(self):
+    return _median(self.reshape(-1), 0, False, True)[0]
+
+
+@lower(aten.median.dim)
+def median_dim(self, dim, keepdim=False):
+    x, dim = _reduce_setup(self, dim)
+    return _squeeze_0d(self, _median(x, dim, keepdim, False))
+
+
+@lower(aten.nanmedian.dim)
+def nanmedian_dim(self, dim, keepdim=False):
+    x, dim = _reduce_setup(self, dim)
+    return _squeeze_0d(self, _median(x, dim, keepdim, True))
+
+
+@lower(aten.mode.default)
+def mode(self, dim=-1, keepdim=False):
+    x, dim = _reduce_setup(self, dim)
+    values, perm = _sort(x, dim, False)
+    # length of the run of equal values ending at each sorted position
+    n = x.shape[dim]
+    iota = lax.broadcasted_iota(jnp.int64, x.shape, dim)
+    prev = jnp.concatenate([lax.slice_in_dim(values, 0, 1, axis=dim), lax.slice_in_dim(values, 0, n - 1, axis=dim)], dim)
+    starts = jnp.where((values != prev) | (iota == 0), iota, 0)
+    run = iota - lax.cummax(starts, axis=dim) + 1
+    # the first longest run in sorted order holds the smallest most frequent value
+    end = jnp.argmax(run, axis=dim)
+    return _squeeze_0d(self, _pick(values, perm, dim, end, keepdim))
+
+
+# ---- unique ----------------------------------------------------------------------------------
+
+
+def _empty_index():
+    return jnp.zeros((0,), jnp.int64)
+
+
+@lower(aten._unique2.default, dynamic_shape=True)
+def unique2(self, sorted=True, return_inverse=False, return_counts=False):
+    # always sorted: PyTorch's CPU kernel sorts too
+    values, inverse, counts = jnp.unique(self.reshape(-1), return_inverse=True, return_counts=True, equal_nan=False)
+    return (
+        values,
+        inverse.reshape(self.shape) if return_inverse else _empty_index(),
+        counts if return_counts else _empty_index(),
+    )
+
+
+@lower(aten.unique_dim.default, dynamic_shape=True)
+def unique_dim(self, dim, sorted=True, return_inverse=False, return_counts=False):
+    dim = _wrap_dim(dim, self.ndim)
+    values, inverse, counts = jnp.unique(self, axis=dim, return_inverse=True, return_counts=True, equal_nan=False)
+    return (
+        values,
+        inverse.reshape(-1) if return_inverse else _empty_index(),
+        counts if return_counts else _empty_index(),
+    )
+
+
+@lower(aten.unique_consecutive.default, dynamic_shape=True)
+def unique_consecutive(self, return_inverse=False, return_counts=False, dim=None):
+    x = self.reshape(-1) if dim is None else jnp.moveaxis(self, _wrap_dim(dim, self.ndim), 0)
+    n = x.shape[0]
+    if n == 0:
+        return self, jnp.zeros(self.shape if dim is None else (0,), jnp.int64), _empty_index()
+    changed = jnp.any((x[1:] != x[:-1]).reshape(n - 1, -1), axis=1)
+    new_run = jnp.concatenate([jnp.ones((1,), bool), changed])
+    starts = np.flatnonzero(np.asarray(new_run))  # the number of runs is data
+    values = x[starts]
+    if dim is not None:
+        values = jnp.moveaxis(values, 0, _wrap_dim(dim, self.ndim))
+    inverse = jnp.cumsum(new_run.astype(jnp.int64)) - 1
+    counts = jnp.diff(jnp.asarray(np.append(starts, n)))
+    return (
+        values,
+        inverse.reshape(self.shape if dim is None else (n,)) if return_inverse else _empty_index(),
+        counts if return_counts else _empty_index(),
+    )
+
+
+# ---- searching and counting --------------------------------------------------------------------
+
+
+def _searchsorted(sorted_sequence, values, side, sorter):
+    seq = sorted_sequence
+    if sorter is not None:
+        seq = jnp.take_along_axis(seq, sorter, axis=-1)
+    dtype = jnp.promote_types(seq.dtype, values.dtype)
+    seq, values = seq.astype(dtype), values.astype(dtype)
+    if seq.ndim == 1:
+        return jnp.searchsorted(seq, values, side=side)
+    # one sorted row per leading index
+    rows = seq.reshape(-1, seq.shape[-1])
+    out = jax.vmap(lambda s, v: jnp.searchsorted(s, v, side=side))(rows, values.reshape(rows.shape[0], -1))
+    return out.reshape(values.shape)
+
+
+@lower(aten.searchsorted.Tensor)
+def searchsorted(sorted_sequence, self, out_int32=False, right=False, side=None, sorter=None):
+    return _searchsorted(sorted_sequence, self, side or ("right" if right else "left"), sorter)
+
+
+@lower(aten.searchsorted.Scalar)
+def searchsorted_scalar(sorted_sequence, self, out_int32=False, right=False, side=None, sorter=None):
+    value = jnp.asarray(self)
+    return _searchsorted(sorted_sequence, value, side or ("right" if right else "left"), sorter)
+
+
+@lower(aten.bucketize.Tensor, aten.bucketize.Scalar)
+def bucketize(self, boundaries, out_int32=False, right=False):
+    return _searchsorted(boundaries, jnp.asarray(self), "right" if right else "left", None)
+
+
+@lower(aten.histc.default)
+def histc(self, bins=100, min=0, max=0):
+    x = self.reshape(-1)
+    lo, hi = jnp.asarray(min, jnp.float64), jnp.asarray(max, jnp.float64)
+    if x.size:
+        # min == max: use the data's range
+        same = lo == hi
+        lo = jnp.where(same, jnp.min(x).astype(jnp.float64), lo)
+        hi = jnp.where(same, jnp.max(x).astype(jnp.float64), hi)
+    lo, hi = _widen_empty_range(lo, hi, x.dtype)
+    # edges and arithmetic in the input dtype, as PyTorch's linear-interpolation kernel
+    lo, hi = lo.astype(x.dtype), hi.astype(x.dtype)
+    pos = jnp.floor((x - lo) * jnp.asarray(bins, x.dtype) / (hi - lo)).astype(jnp.int64)
+    pos = jnp.where(pos == bins, bins - 1, pos)
+    inside = (x >= lo) & (x <= hi)
+    return jnp.zeros((bins,), x.dtype).at[jnp.where(inside, pos, bins)].add(1, mode="drop")
+
+
+def _widen_empty_range(lo, hi, dtype):
+    same = lo == hi
+    if dtype in (jnp.float32, jnp.float64):
+        down = jnp.minimum(jnp.nextafter(lo.astype(dtype), -jnp.inf).astype(jnp.float64), lo - 1)
+        up = jnp.maximum(jnp.nextafter(hi.astype(dtype), jnp.inf).astype(jnp.float64), hi + 1)
+    else:
+        down, up = lo - 1, hi + 1
+    return jnp.where(same, down, lo), jnp.where(same, up, hi)
+
+
+@lower(aten.bincount.default, dynamic_shape=True)
+def bincount(self, weights=None, minlength=0):
+    length = max(int(jnp.max(self)) + 1 if self.size else 0, minlength)  # the length is data
+    if weights is None:
+        return jnp.bincount(self, length=length).astype(jnp.int64)
+    # PyTorch keeps float weights' dtype and accumulates anything else in double
+    dtype = jnp.float32 if weights.dtype == jnp.float32 else jnp.float64
+    return jnp.bincount(self, weights.astype(dtype), length=length)
+
+
+# ---- embedding -----------------------------------------------------------------------------------
+
+
+@lower(aten.embedding.default)
+def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    return weight[indices]
+
+
+@lower(aten.embedding_dense_backward.default)
+def embedding_dense_backward(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
+    flat = indices.reshape(-1)
+    grad = grad_output.reshape(flat.shape[0], -1)
+    keep = flat != padding_idx
+    if scale_grad_by_freq:
+        counts = jnp.zeros((num_weights,), grad.dtype).at[flat].add(1)
+        grad = grad / counts[flat][:, None]
+    grad = jnp.where(keep[:, None], grad, 0)
+    return jnp.zeros((num_weights, grad.shape[1]), grad.dtype).at[flat].add(grad)
