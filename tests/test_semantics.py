@@ -137,7 +137,7 @@ def test_autograd_small_network_matches_cpu():
     xb = torch.randn(16, 5)
 
     def grads(device):
-        params = [t.to(device).requires_grad_() for t in (w1, b1, w2)]
+        params = [t.detach().clone().to(device).requires_grad_() for t in (w1, b1, w2)]
         h = torch.tanh(xb.to(device) @ params[0].t() + params[1])
         out = (h @ params[2].t()).log_softmax(-1)
         loss = -(out[:, 0].mean()) + (h ** 2).mean()

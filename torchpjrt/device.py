@@ -34,13 +34,16 @@ def jax_devices():
             if _devices is None:
                 platform = _requested_platform()
                 try:
-                    _devices = jax.devices(platform) if platform else jax.devices()
+                    devs = jax.devices(platform) if platform else jax.devices()
                 except RuntimeError as e:
                     raise RuntimeError(
                         f"torchpjrt: TORCHPJRT_PLATFORM={platform!r} is not available to JAX "
                         f"({e}). Install the matching jax extra (jax[tpu], jax[cuda]) or unset "
                         "TORCHPJRT_PLATFORM to use JAX's default backend."
                     ) from None
+                # computations whose inputs are not yet on a device (factories) go here too
+                jax.config.update("jax_default_device", devs[0])
+                _devices = devs
     return _devices
 
 

@@ -283,6 +283,7 @@ class LoweredKernel:
             return sp
 
     def _build(self, vals, key):
+        storage.default_device()  # picks the platform (TORCHPJRT_PLATFORM) before compiling
         expected = None
         try:
             meta_out = run_meta(self.op, self.sig, vals)
@@ -592,14 +593,14 @@ def fallback(keyset, op, *args, **kwargs):
 
 
 def _classify(op):
-    if op in TABLE:
+    if op in TABLE and not TABLE[op].view:
         return _direct(make_functional_kernel(op, TABLE[op]))
     if torch.Tag.inplace_view in op.tags:
         return inplace_view_kernel
     if _is_view_op(op) or op in (aten._unsafe_view.default, aten.lift_fresh.default):
         return view_kernel
     functional = _functional_of(op)
-    if functional is not None and functional in TABLE:
+    if functional is not None and functional in TABLE and not TABLE[functional].view:
         return _direct(derived_kernel(op, functional))
     return _slow_path
 
@@ -983,7 +984,7 @@ def register():
     for op in _inplace_view_ops():
         lib.impl(_qualname(op), _bound(inplace_view_kernel, op), "PrivateUse1")
     for op, lowering in TABLE.items():
-        if _qualname(op) in SPECIAL_KERNELS:
+        if lowering.view or _qualname(op) in SPECIAL_KERNELS:
             continue
         lib.impl(_qualname(op), make_functional_kernel(op, lowering), "PrivateUse1")
         for derived in derived_overloads(op):

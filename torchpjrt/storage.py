@@ -59,6 +59,7 @@ class Storage:
 
 @functools.lru_cache(maxsize=None)
 def _zeros_fn(shape, dtype):
+    default_device()
     return jax.jit(lambda: jnp.zeros(shape, dtype))
 
 

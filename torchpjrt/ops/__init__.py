@@ -16,7 +16,9 @@ Options:
                         these arguments (after any regular outputs).
   dynamic_shape=True    the output shape depends on values (nonzero, unique): run
                         without jit on concrete arrays.
-  exact_dtype=True      skip the final cast of outputs to PyTorch's result dtype.
+  view=True             a view op's value semantics, for graph paths (compile, fused).
+                        Eager execution never uses these: eager views alias storage
+                        through the generic view kernel in dispatch.py.
 
 In-place (`add_`) and `out=` (`add.out`) overloads of a lowered op need no entry: the
 generic kernels in dispatch.py derive them.
@@ -38,19 +40,20 @@ class Lowering:
     random: bool = False
     mutates: tuple = ()
     dynamic_shape: bool = False
+    view: bool = False
 
 
 TABLE: dict = {}
 
 
-def lower(*overloads, static=(), random=False, mutates=(), dynamic_shape=False):
+def lower(*overloads, static=(), random=False, mutates=(), dynamic_shape=False, view=False):
     def register(fn):
         for op in overloads:
             if isinstance(op, torch._ops.OpOverloadPacket):
                 raise TypeError(f"lower() needs overloads, got the packet {op}")
             if op in TABLE:
                 raise ValueError(f"{op} is lowered twice")
-            TABLE[op] = Lowering(fn, frozenset(static), random, tuple(mutates), dynamic_shape)
+            TABLE[op] = Lowering(fn, frozenset(static), random, tuple(mutates), dynamic_shape, view)
         return fn
 
     return register
@@ -67,6 +70,7 @@ _FAMILIES = (
     "random",
     "factory",
     "foreach",
+    "views",
 )
 
 
