@@ -373,6 +373,8 @@ def _returns_list(schema):
 def _wrap_outputs(schema, outs, vals, sig, mutated_written=()):
     """Tensors for the schema's returns: new tensors, or the written arguments they alias."""
     rets = schema.returns
+    if not rets:
+        return None
     if _returns_list(schema):
         return [storage.wrap(o) for o in outs[0]] if isinstance(outs[0], (list, tuple)) else [
             storage.wrap(o) for o in outs
@@ -439,6 +441,18 @@ def make_inplace_kernel(op, functional, lowering):
     """`x.add_(y)`: compute add(x, y), write it into x (PyTorch's checks come from meta)."""
     k = LoweredKernel(op, lowering)
     sig = k.sig
+    returns_self = bool(op._schema.returns)
+    if sig.kinds[0] == TENSOR_LIST:
+        # _foreach_add_(tensors, ...): one result per tensor, and nothing returned
+
+        def list_kernel(*args, **kwargs):
+            vals = sig.values(args, kwargs)
+            outs = k.compute(vals)
+            for t, o in zip(vals[0], outs):
+                storage.write(t, o)
+            return vals[0] if returns_self else None
+
+        return list_kernel
 
     def kernel(*args, **kwargs):
         vals = sig.values(args, kwargs)
