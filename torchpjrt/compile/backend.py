@@ -1,0 +1,96 @@
+"""`torch.compile(model, backend="pjrt")`.
+
+Dynamo captures the graph, AOTAutograd produces forward and backward graphs in aten IR,
+and each becomes one JAX function built from the lowering table and compiled by `jax.jit`
+into a single XLA program. Ops the table cannot lower make that graph run eagerly on pjrt
+(op by op, same kernels as eager mode), never on the CPU.
+"""
+
+import functools
+import time
+import warnings
+from collections import Counter
+
+import jax
+import torch
+from functorch.compile import make_boxed_func
+
+from .. import dtypes, random_state, storage
+from ..ops import TABLE
+from . import graph as graph_mod
+
+stats = Counter()
+recompile_reasons = []
+
+
+def compile_stats() -> dict:
+    """Graphs compiled, eager fallbacks (with the ops that caused them), compile seconds."""
+    return {**stats, "eager_fallback_reasons": list(recompile_reasons)}
+
+
+@functools.lru_cache(maxsize=1)
+def _decompositions():
+    """torch._decomp entries for the ops the table does not lower directly."""
+    from torch._decomp import core_aten_decompositions
+
+    table = core_aten_decompositions()
+    return {op: fn for op, fn in table.items() if op not in TABLE}
+
+
+def _compile_graph(gm: torch.fx.GraphModule, example_inputs):
+    t0 = time.perf_counter()
+    try:
+        fn = graph_mod.to_jax_function(gm)
+    except graph_mod.UnsupportedGraph as e:
+        stats["eager_graphs"] += 1
+        recompile_reasons.append(f"ops without lowering: {e}")
+        warnings.warn(f"torchpjrt: running a compiled graph eagerly on pjrt (ops without lowering: {e})")
+        return _eager(gm)
+    jitted = jax.jit(fn)
+    random = graph_mod.uses_random(gm)
+    stats["graphs"] += 1
+    stats["compile_seconds"] += time.perf_counter() - t0
+
+    def run(*args):
+        seed_offset = random_state.next_seed_offset() if random else _NO_SEED
+        arrays = [_input(a) for a in args]
+        outs = jitted(seed_offset, *arrays)
+        stats["calls"] += 1
+        return [storage.wrap(o) if hasattr(o, "shape") and hasattr(o, "dtype") else o for o in outs]
+
+    return make_boxed_func(run)
+
+
+_NO_SEED = None
+
+
+def _input(a):
+    if isinstance(a, torch.Tensor):
+        if a.device.type == "pjrt":
+            return storage.read(a)
+        return jax.numpy.asarray(dtypes.numpy_from_cpu_tensor(a))
+    return a
+
+
+def _eager(gm):
+    def run(*args):
+        return gm(*args)
+
+    return make_boxed_func(run)
+
+
+def pjrt_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
+    """The Dynamo backend registered as "pjrt"."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    import torchpjrt  # noqa: F401  (the device must exist; entry points may load us first)
+
+    compiler = aot_autograd(fw_compiler=_compile_graph, bw_compiler=_compile_graph, decompositions=_decompositions())
+    return compiler(gm, example_inputs)
+
+
+def register():
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+
+    if "pjrt" not in _BACKENDS:
+        register_backend(name="pjrt")(pjrt_backend)
