@@ -1,0 +1,147 @@
+"""From what the workers reported to the results: statistics, throughput, cost, agreement.
+
+The result is one JSON-ready dict (the `--json` file); every other output reads it.
+"""
+
+import datetime
+import math
+
+from . import prices
+from .measure import relative_difference, spread
+
+SCHEMA = "torchpjrt-bench/1"
+REFERENCE = "cpu"
+
+METHOD = (
+    "Each target runs in its own worker process; the workers start one after another, so no "
+    "other target runs during a start-up; time to first step counts from process launch to the end of the first step (interpreter "
+    "start, imports, model build, transfer, compilation; inductor's cache starts empty). Every target builds the model on the CPU from "
+    "the same seed, moves it to its device, and trains on the same stream of batches (the CPU generator "
+    "is reseeded before each batch; the batch copy is made before the timer starts). A step is "
+    "forward + loss (+ backward + AdamW for train); the device is synchronised before each timer read, "
+    "so consecutive steps do not overlap. After {warmup} warm-up step(s), {rounds} rounds of {steps} "
+    "steps are run; within a round the targets take turns (the order rotates each round) so that drift "
+    "of the machine reaches all of them alike. Step time statistics are over all measured steps. "
+    "Energy per step is a counter difference over each round divided by its steps (it includes batch "
+    "preparation, and RAPL counts the whole CPU package, other processes included). Cost is the hourly "
+    "price from the price table times the median step time. Agreement: the final loss of each target "
+    "against the cpu target's, relative difference, flagged above the tolerance."
+)
+
+TARGET_KEYS = (
+    "name", "kind", "platform", "status", "reason", "error_kind", "device_name",
+    "step_time_s", "samples_per_s", "tokens_per_s", "time_to_first_step_s", "startup_s",
+    "peak_memory_bytes", "peak_memory_source", "energy_j_per_step", "energy_source",
+    "cost_per_million_samples", "price_basis", "losses", "final_loss", "loss_rel_diff",
+    "max_loss_rel_diff", "agrees", "round_median_step_s", "error_detail",
+)
+
+
+def summarize(config, records, not_run, probed, table) -> dict:
+    rows = [_measured(r, table) for r in records] + [_not_run(entry) for entry in not_run]
+    reference = _add_agreement(rows, config.tolerance)
+    ok = [r for r in rows if r["status"] == "ok"]
+    ready = next((r.ready for r in records if r.ready), {})
+    return {
+        "schema": SCHEMA,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "config": dict(vars(config)),
+        "workload": {
+            "name": config.model or config.workload,
+            "description": ready.get("description"),
+            "batch_size": ready.get("batch_size"),
+            "tokens_per_sample": ready.get("tokens_per_sample"),
+            "parameters": ready.get("parameters"),
+        },
+        "machine": probed["machine"],
+        "versions": probed["versions"],
+        "method": METHOD.format(warmup=config.warmup, rounds=config.rounds, steps=config.steps),
+        "reference": reference,
+        "tolerance": config.tolerance,
+        "currency": table.currency if table else None,
+        "prices": table.path if table else None,
+        "fastest": _best(ok, lambda r: r["step_time_s"]["median"]),
+        "cheapest": _best(ok, lambda r: r["cost_per_million_samples"]),
+        "targets": rows,
+    }
+
+
+def _empty_row(name: str, status: str, reason: str | None) -> dict:
+    row = dict.fromkeys(TARGET_KEYS)
+    row.update(name=name, status=status, reason=reason, losses=[])
+    return row
+
+
+def _not_run(entry: dict) -> dict:
+    kind, _, platform = entry["name"].partition("@")
+    row = _empty_row(entry["name"], entry["status"], entry["reason"])
+    row.update(kind=kind, platform=platform or None)
+    return row
+
+
+def _measured(record, table) -> dict:
+    target = record.target
+    row = _empty_row(target.name, record.status, record.reason)
+    row.update(kind=target.kind, platform=target.platform, error_kind=record.error_kind, error_detail=record.error_detail,
+               losses=record.losses)
+    ready = record.ready
+    if ready:
+        row.update(
+            device_name=ready["device_name"],
+            time_to_first_step_s=ready["time_to_first_step_s"],
+            startup_s={k: ready[k] for k in ("import_s", "build_s", "first_step_s")},
+        )
+    if record.status != "ok":
+        return row
+    step = spread(record.step_times)
+    samples_per_s = ready["batch_size"] / step["median"]
+    row.update(
+        step_time_s=step,
+        samples_per_s=samples_per_s,
+        tokens_per_s=samples_per_s * ready["tokens_per_sample"] if ready["tokens_per_sample"] else None,
+        round_median_step_s=[spread(times)["median"] for times in record.round_times],
+        peak_memory_bytes=record.final["peak_memory_bytes"],
+        peak_memory_source=record.final["peak_memory_source"],
+        final_loss=record.losses[-1] if record.losses else None,
+    )
+    row.update(_energy(record))
+    row.update(_cost(row, ready, target, table))
+    return row
+
+
+def _energy(record) -> dict:
+    ready = record.ready
+    if ready["energy_source"] is None or any(j is None for j in record.energy_j):
+        return {"energy_j_per_step": None, "energy_source": f"n/a: {ready['energy_unavailable']}"}
+    return {"energy_j_per_step": sum(record.energy_j) / len(record.step_times), "energy_source": ready["energy_source"]}
+
+
+def _cost(row: dict, ready: dict, target, table) -> dict:
+    if table is None:
+        return {"cost_per_million_samples": None, "price_basis": "n/a: no price table (see --prices)"}
+    hourly, basis = table.hourly(target.hardware, ready["device_name"], ready["cores"])
+    if hourly is None:
+        return {"cost_per_million_samples": None, "price_basis": f"n/a: {basis}"}
+    cost = prices.cost_per_million_samples(hourly, row["step_time_s"]["median"], ready["batch_size"])
+    return {"cost_per_million_samples": cost, "price_basis": basis}
+
+
+def _add_agreement(rows: list[dict], tolerance: float) -> str | None:
+    """Compare every target's losses with the cpu target's; returns the reference's name."""
+    reference = next((r for r in rows if r["name"] == REFERENCE and r["status"] == "ok"), None)
+    if reference is None:
+        return None
+    ref_losses = reference["losses"]
+    for row in rows:
+        if row["status"] != "ok" or len(row["losses"]) != len(ref_losses):
+            continue
+        diffs = [relative_difference(a, b) for a, b in zip(row["losses"], ref_losses)]
+        row["loss_rel_diff"] = diffs[-1]
+        row["max_loss_rel_diff"] = max(diffs)
+        row["agrees"] = bool(diffs[-1] <= tolerance)  # NaN compares False: a NaN loss never agrees
+    return REFERENCE
+
+
+def _best(rows: list[dict], key) -> str | None:
+    candidates = [r for r in rows if key(r) is not None and math.isfinite(key(r))]
+    return min(candidates, key=key)["name"] if candidates else None
