@@ -112,3 +112,25 @@ def test_zero_grad_and_grad_accumulation():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     opt.zero_grad()
     assert model.fc1.weight.grad is None
+
+
+def test_tied_weights_stay_tied_after_to():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+            self.head = nn.Linear(4, 10, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, ids):
+            return self.head(self.emb(ids))
+
+    torch.manual_seed(0)
+    model = Tied()
+    ids = torch.tensor([[1, 2, 3], [4, 1, 9]])
+    ref = copy.deepcopy(model)
+    ref(ids).pow(2).sum().backward()
+    dev = model.to("pjrt")
+    assert dev.head.weight is dev.emb.weight
+    dev(ids.to("pjrt")).pow(2).sum().backward()
+    torch.testing.assert_close(dev.emb.weight.grad.cpu(), ref.emb.weight.grad, rtol=1e-5, atol=1e-5)

@@ -16,6 +16,10 @@ from . import untyped_storage as _untyped_storage  # noqa: E402
 
 _untyped_storage.install()
 
+from . import module_conversion as _module_conversion  # noqa: E402
+
+_module_conversion.install()
+
 from .dispatch import cpu_fallback_counts  # noqa: E402,F401
 
 
