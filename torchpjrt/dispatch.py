@@ -226,6 +226,11 @@ class LoweredKernel:
                         parts.append(None)
                         arrays.append(None)
                     elif t.device.type != "pjrt":
+                        if i in self._index_lists and t.dim() > 0:
+                            # CPU index tensors are accepted for indexing, as on CUDA
+                            parts.append((t.shape, t.dtype))
+                            arrays.append(host_to_device(t))
+                            continue
                         h = _host_scalar(t)
                         parts.append(("host", h.dtype))
                         arrays.append(h)
@@ -265,6 +270,16 @@ class LoweredKernel:
             dyn.append(h)
 
     @property
+    def _index_lists(self):
+        try:
+            return self.__dict__["_il"]
+        except KeyError:
+            il = self.__dict__["_il"] = frozenset(
+                i for i, a in enumerate(self.sig.schema.arguments) if str(a.type) == "List[Optional[Tensor]]"
+            )
+            return il
+
+    @property
     def plan(self):
         try:
             return self.__dict__["_plan"]
@@ -292,6 +307,10 @@ class LoweredKernel:
                 expected = None  # out= overloads: the outputs' dtypes are checked on write
         except _NoMeta:
             pass
+        except RuntimeError:
+            # data-dependent output shapes: PyTorch's meta kernel can refuse them
+            if not self.lowering.dynamic_shape:
+                raise
         fn = _compile(self.lowering, self.sig, vals[: self.n_inputs], self._static_positions, expected)
         self.cache[key] = fn
         stats["compiled"] += 1

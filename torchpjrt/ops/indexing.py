@@ -9,8 +9,6 @@ unique, bincount) are registered with dynamic_shape=True: they see concrete arra
 what they must from the device, and hand the rest to jitted helpers.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -122,7 +120,7 @@ def _index_put_impl_(self, indices, values, accumulate=False, unsafe=False):
 # ---- index_* along one dimension ------------------------------------------------------------
 
 
-def _along(ndim, dim, index):
+def _along(dim, index):
     return (slice(None),) * dim + (index,)
 
 
@@ -135,7 +133,7 @@ def _as_1d(self, index):
 def index_select(self, dim, index):
     x, index = _as_1d(self, index)
     dim = _wrap_dim(dim, self.ndim)
-    return x[_along(x.ndim, dim, index)].reshape(_index_shape(self, dim, index))
+    return x[_along(dim, index)].reshape(_index_shape(self, dim, index))
 
 
 def _index_shape(self, dim, index):
@@ -152,7 +150,7 @@ def _index_update(self, dim, index, source, how):
     source = jnp.asarray(source).astype(self.dtype)
     if self.ndim == 0 or source.ndim == 0:
         source = jnp.broadcast_to(source.reshape(-1) if source.ndim else source, _index_shape(x, dim, index))
-    ref = x.at[_along(x.ndim, dim, index)]
+    ref = x.at[_along(dim, index)]
     return getattr(ref, how)(source).reshape(self.shape)
 
 
@@ -172,7 +170,7 @@ def index_copy(self, dim, index, source):
 def index_fill(self, dim, index, value):
     x, index = _as_1d(self, index)
     dim = _wrap_dim(dim, self.ndim)
-    return x.at[_along(x.ndim, dim, index)].set(jnp.asarray(value).astype(self.dtype)).reshape(self.shape)
+    return x.at[_along(dim, index)].set(jnp.asarray(value).astype(self.dtype)).reshape(self.shape)
 
 
 # ---- gather / scatter -------------------------------------------------------------------------
@@ -192,18 +190,21 @@ def _scatter_setup(self, dim, index, src):
     dim = _wrap_dim(dim, self.ndim)
     src = jnp.asarray(src).astype(self.dtype)
     if src.ndim:
-        src = src.reshape(1) if src.ndim == 0 else src
         src = src[tuple(slice(0, s) for s in index.shape)]  # src may be larger than index
     return x, _gather_indices(index, dim), src
 
 
 @lower(aten.gather.default)
 def gather(self, dim, index, sparse_grad=False):
+    if index.size == 0:  # PyTorch skips its shape checks for an empty index
+        return jnp.zeros(index.shape, self.dtype)
     x, idx, _ = _scatter_setup(self, dim, index, 0)
     return x[idx].reshape(index.shape)
 
 
 def _scatter(self, dim, index, src, how):
+    if index.size == 0:
+        return self
     x, idx, src = _scatter_setup(self, dim, index, src)
     return getattr(x.at[idx], how)(src).reshape(self.shape)
 
@@ -239,9 +240,8 @@ def _identity(reduce, dtype):
     return jnp.array(info.min if reduce == "amax" else info.max, dtype)
 
 
-@lower(aten.scatter_reduce.two)
-def scatter_reduce(self, dim, index, src, reduce, include_self=True):
-    x, idx, src = _scatter_setup(self, dim, index, src)
+def _reduce_into(x, idx, src, reduce, include_self):
+    """scatter_reduce / index_reduce: combine src into x at x.at[idx] with `reduce`."""
     counts = jnp.zeros(x.shape, jnp.int64).at[idx].add(1)
     base = x if include_self else jnp.where(counts > 0, _identity(reduce, x.dtype), x)
     out = getattr(base.at[idx], _SCATTER_REDUCE.get(reduce, "add"))(src)
@@ -252,6 +252,23 @@ def scatter_reduce(self, dim, index, src, reduce, include_self=True):
     if reduce == "mean":
         denom = jnp.maximum(counts + int(include_self), 1).astype(x.dtype)
         out = out / denom if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.floor_divide(out, denom)
+    return out
+
+
+@lower(aten.scatter_reduce.two)
+def scatter_reduce(self, dim, index, src, reduce, include_self=True):
+    if index.size == 0:
+        return self
+    x, idx, src = _scatter_setup(self, dim, index, src)
+    return _reduce_into(x, idx, src, reduce, include_self).reshape(self.shape)
+
+
+@lower(aten.index_reduce.default)
+def index_reduce(self, dim, index, source, reduce, include_self=True):
+    x, index = _as_1d(self, index)
+    dim = _wrap_dim(dim, self.ndim)
+    source = jnp.asarray(source).astype(self.dtype).reshape(_index_shape(x, dim, index))
+    out = _reduce_into(x, _along(dim, index), source, reduce, include_self)
     return out.reshape(self.shape)
 
 
@@ -283,6 +300,15 @@ def nonzero(self):
     if self.ndim == 0:
         return jnp.zeros((int(self != 0), 0), jnp.int64)
     return jnp.argwhere(self).astype(jnp.int64)
+
+
+@lower(aten.nonzero_static.default)
+def nonzero_static(self, size, fill_value=-1):
+    if self.size == 0:  # jnp.nonzero ignores fill_value for empty input
+        return jnp.full((size, self.ndim), fill_value, jnp.int64)
+    x = self.reshape(1) if self.ndim == 0 else self
+    found = jnp.nonzero(x, size=size, fill_value=fill_value)
+    return jnp.stack(found, axis=-1)[:, : self.ndim].astype(jnp.int64)
 
 
 # ---- flat take / put -------------------------------------------------------------------------
@@ -453,6 +479,11 @@ def unique2(self, sorted=True, return_inverse=False, return_counts=False):
     )
 
 
+@lower(aten._unique.default, dynamic_shape=True)
+def unique(self, sorted=True, return_inverse=False):
+    return unique2(self, sorted, return_inverse)[:2]
+
+
 @lower(aten.unique_dim.default, dynamic_shape=True)
 def unique_dim(self, dim, sorted=True, return_inverse=False, return_counts=False):
     dim = _wrap_dim(dim, self.ndim)
@@ -470,7 +501,7 @@ def unique_consecutive(self, return_inverse=False, return_counts=False, dim=None
     n = x.shape[0]
     if n == 0:
         return self, jnp.zeros(self.shape if dim is None else (0,), jnp.int64), _empty_index()
-    changed = jnp.any((x[1:] != x[:-1]).reshape(n - 1, -1), axis=1)
+    changed = jnp.any((x[1:] != x[:-1]).reshape(n - 1, int(np.prod(x.shape[1:]))), axis=1)
     new_run = jnp.concatenate([jnp.ones((1,), bool), changed])
     starts = np.flatnonzero(np.asarray(new_run))  # the number of runs is data
     values = x[starts]
@@ -494,6 +525,8 @@ def _searchsorted(sorted_sequence, values, side, sorter):
         seq = jnp.take_along_axis(seq, sorter, axis=-1)
     dtype = jnp.promote_types(seq.dtype, values.dtype)
     seq, values = seq.astype(dtype), values.astype(dtype)
+    if values.size == 0:
+        return jnp.zeros(values.shape, jnp.int64)
     if seq.ndim == 1:
         return jnp.searchsorted(seq, values, side=side)
     # one sorted row per leading index
@@ -562,6 +595,16 @@ def bincount(self, weights=None, minlength=0):
 @lower(aten.embedding.default)
 def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     return weight[indices]
+
+
+@lower(aten.embedding_renorm_.default, mutates=("self",))
+def embedding_renorm_(self, indices, max_norm, norm_type):
+    # rows looked up by `indices` whose norm exceeds max_norm are scaled down in place
+    flat = indices.reshape(-1)
+    rows = self[flat]
+    norms = jnp.linalg.norm(rows.astype(jnp.float64), ord=norm_type, axis=1)
+    scale = jnp.where(norms > max_norm, max_norm / (norms + 1e-7), 1.0)
+    return self.at[flat].set((rows * scale[:, None].astype(self.dtype)).astype(self.dtype))
 
 
 @lower(aten.embedding_dense_backward.default)

@@ -90,38 +90,41 @@ def _reflect(k, n):
     return np.where(k > n - 1, 2 * (n - 1) - k, k)
 
 
-def _reflection_pad(self, padding):
+def _replicate(k, n):
+    return np.clip(k, 0, n - 1)
+
+
+def _pad_vjp(pad_fn, grad_output, self, padding):
+    _, vjp = jax.vjp(lambda x: pad_fn(x, padding), self)
+    return vjp(grad_output.astype(self.dtype))[0]
+
+
+@lower(aten.reflection_pad1d.default, aten.reflection_pad2d.default, aten.reflection_pad3d.default)
+def reflection_pad(self, padding):
     return _mode_pad(self, padding, _reflect)
 
 
-def _replication_pad(self, padding):
-    return _mode_pad(self, padding, lambda k, n: np.clip(k, 0, n - 1))
+@lower(aten.replication_pad1d.default, aten.replication_pad2d.default, aten.replication_pad3d.default)
+def replication_pad(self, padding):
+    return _mode_pad(self, padding, _replicate)
 
 
-def _pad_backward(pad_fn):
-    def backward(grad_output, self, padding):
-        _, vjp = jax.vjp(lambda x: pad_fn(x, padding), self)
-        return vjp(grad_output.astype(self.dtype))[0]
-
-    return backward
-
-
-lower(aten.reflection_pad1d.default, aten.reflection_pad2d.default, aten.reflection_pad3d.default)(
-    _reflection_pad
-)
-lower(aten.replication_pad1d.default, aten.replication_pad2d.default, aten.replication_pad3d.default)(
-    _replication_pad
-)
-lower(
+@lower(
     aten.reflection_pad1d_backward.default,
     aten.reflection_pad2d_backward.default,
     aten.reflection_pad3d_backward.default,
-)(_pad_backward(_reflection_pad))
-lower(
+)
+def reflection_pad_backward(grad_output, self, padding):
+    return _pad_vjp(reflection_pad, grad_output, self, padding)
+
+
+@lower(
     aten.replication_pad1d_backward.default,
     aten.replication_pad2d_backward.default,
     aten.replication_pad3d_backward.default,
-)(_pad_backward(_replication_pad))
+)
+def replication_pad_backward(grad_output, self, padding):
+    return _pad_vjp(replication_pad, grad_output, self, padding)
 
 
 # ---- flips, rolls, repeats ----------------------------------------------------------------
@@ -174,6 +177,30 @@ def split_with_sizes_copy(self, split_sizes, dim=0):
     dim = _wrap_dim(dim, self.ndim)
     bounds = np.cumsum([0, *split_sizes])
     return tuple(lax.slice_in_dim(self, int(a), int(b), axis=dim) for a, b in zip(bounds, bounds[1:]))
+
+
+@lower(aten.slice_copy.Tensor)
+def slice_copy(self, dim=0, start=None, end=None, step=1):
+    dim = _wrap_dim(dim, self.ndim)
+    return self[_at(self.ndim, dim, _slice(self.shape[dim], start, end, step))]
+
+
+@lower(aten.select_copy.int)
+def select_copy(self, dim, index):
+    return self[_at(self.ndim, _wrap_dim(dim, self.ndim), index)]
+
+
+@lower(aten.split_copy.Tensor)
+def split_copy(self, split_size, dim=0):
+    dim = _wrap_dim(dim, self.ndim)
+    n = self.shape[dim]
+    sizes = [min(split_size, n - i) for i in range(0, n, split_size)] if split_size else [n]
+    return split_with_sizes_copy(self, sizes or [0], dim)
+
+
+@lower(aten._reshape_copy.default)
+def _reshape_copy(self, size):
+    return self.reshape(tuple(size))
 
 
 @lower(aten.expand_copy.default)
