@@ -1,15 +1,16 @@
 """Factories that reach the backend: arange, linspace, logspace, eye, tril/triu_indices.
 
-Most factories (zeros, ones, full, scalar_tensor, rand...) are CompositeExplicitAutograd
-and arrive as empty + fill_/zero_/uniform_; these are the ones that would otherwise reach
-an `out=` kernel. Their `dtype`/`layout`/`device`/`pin_memory` arrive as Python values; a
-None dtype is PyTorch's default (the dispatcher casts to the meta kernel's result dtype),
-but values that depend on the dtype (integer truncation) are computed for it here.
+Most factories (zeros, ones, full, scalar_tensor, rand...) arrive as empty + fill_/zero_/
+uniform_; the ones here would otherwise be computed by an `out=` kernel or a CPU-only one.
+`dtype`/`layout`/`device`/`pin_memory` arrive as Python values. A None dtype means PyTorch's
+default (the dispatcher casts to the meta kernel's result dtype), but values that depend on
+the dtype (integer truncation) are computed for it here.
 """
 
 import jax.numpy as jnp
 import numpy as np
 import torch
+from jax import lax
 
 from .. import dtypes
 from . import aten, lower
@@ -50,14 +51,16 @@ def _linspace(start, end, steps, dtype):
         out = jnp.promote_types(_default_float(None), jnp.complex64)
     else:
         out = _default_float(dtype)
-    acc = jnp.complex128 if jnp.iscomplexobj(jnp.zeros((), out)) else jnp.float64
+    acc = jnp.complex128 if jnp.issubdtype(out, jnp.complexfloating) else jnp.float64
     if _is_int(out):  # integer outputs use integer start/end and a float step
         start, end = jnp.trunc(start.real), jnp.trunc(end.real)
     start, end = start.astype(acc), end.astype(acc)
     if steps == 1:
         return jnp.broadcast_to(start, (1,)).astype(out)
     idx = jnp.arange(steps, dtype=jnp.float64)
-    step = (end - start) / max(steps - 1, 1)
+    # XLA turns `x / constant` into the inexact `x * (1 / constant)` (49 / 49 != 1, and integer
+    # outputs truncate); the barrier keeps the true division PyTorch does
+    step = (end - start) / lax.optimization_barrier(jnp.float64(steps - 1))
     values = jnp.where(idx < steps // 2, start + step * idx, end - step * (steps - 1 - idx))
     return values.astype(out)
 
@@ -88,8 +91,10 @@ def eye_m(n, m, dtype=None, layout=None, device=None, pin_memory=None):
 
 
 def _indices(np_fn, row, col, offset, dtype):
+    """Constant (row, col) index pairs, in NumPy's order (PyTorch's too: row-major)."""
     rows, cols = np_fn(row, offset, col)
-    return jnp.asarray(np.stack([rows, cols]).reshape(2, -1), dtypes.to_jax(schema_dtype(dtype) or torch.int64))
+    out = dtypes.to_jax(schema_dtype(dtype) or torch.int64)
+    return jnp.asarray(np.stack([rows, cols]).reshape(2, -1), out)
 
 
 @lower(aten.tril_indices.default)

@@ -10,6 +10,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import torch
 from jax import lax
 
 from .. import dtypes
@@ -30,14 +31,18 @@ def _draw_dtype(dtype):
     return jnp.float64 if dtype in (jnp.float64, jnp.complex128) else jnp.float32
 
 
-def _like(sample, key, x):
-    """sample(key, shape, float dtype) for x's shape and dtype; a complex x gets independent
-    real and imaginary parts (PyTorch samples complex tensors through view_as_real)."""
-    dt = _draw_dtype(x.dtype)
-    if jnp.iscomplexobj(x):
-        parts = sample(key, x.shape + (2,), dt)
+def _draw(sample, key, shape, dtype):
+    """sample(key, shape, float dtype) for a tensor of `shape` and `dtype`; complex ones get
+    independent real and imaginary parts (PyTorch samples them through view_as_real)."""
+    dt = _draw_dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        parts = sample(key, tuple(shape) + (2,), dt)
         return lax.complex(parts[..., 0], parts[..., 1])
-    return sample(key, x.shape, dt)
+    return sample(key, shape, dt)
+
+
+def _like(sample, key, x):
+    return _draw(sample, key, x.shape, x.dtype)
 
 
 def _check_float(x, name):
@@ -62,22 +67,22 @@ def uniform_(self, from_=0.0, to=1.0, generator=None, key=None):
     return _like(sample, key, self)
 
 
-def _normal(key, x, mean, std):
-    if jnp.iscomplexobj(x):  # PyTorch splits the variance between the two parts
+def _normal(key, shape, dtype, mean, std):
+    if jnp.issubdtype(dtype, jnp.complexfloating):  # PyTorch splits the variance between the parts
         std = std / math.sqrt(2)
-    return mean + std * _like(jax.random.normal, key, x)
+    return mean + std * _draw(jax.random.normal, key, shape, dtype)
 
 
 @lower(aten.normal_.default, random=True, mutates=("self",))
 def normal_(self, mean=0.0, std=1.0, generator=None, key=None):
     _check_generator(generator)
-    return _normal(key, self, mean, std)
+    return _normal(key, self.shape, self.dtype, mean, std)
 
 
 @lower(aten.normal_functional.default, random=True)
 def normal_functional(self, mean=0.0, std=1.0, generator=None, key=None):
     _check_generator(generator)
-    return _normal(key, self, mean, std)
+    return _normal(key, self.shape, self.dtype, mean, std)
 
 
 @lower(aten.normal.Tensor_float, random=True)
@@ -104,8 +109,8 @@ def normal_tensor_tensor(mean, std, generator=None, key=None):
 def normal_float_float(mean, std, size, generator=None, dtype=None, layout=None, device=None,
                        pin_memory=None, key=None):
     _check_generator(generator)
-    out = jnp.zeros((), dtypes.to_jax(dtype) if dtype is not None else jnp.float32).dtype
-    return _normal(key, jnp.zeros(tuple(size), out), mean, std)
+    dtype = dtypes.to_jax(dtype or torch.get_default_dtype())
+    return _normal(key, tuple(size), dtype, mean, std)
 
 
 @lower(aten.log_normal_.default, random=True, mutates=("self",))
@@ -213,7 +218,7 @@ def random_to(self, to, generator=None, key=None):
     return _random(key, self, 0, to)
 
 
-@lower(aten.random_.from_, random=True, mutates=("self",))
+@lower(getattr(aten.random_, "from"), random=True, mutates=("self",))
 def random_from(self, from_, to=None, generator=None, key=None):
     _check_generator(generator)
     high = _max_inclusive(self.dtype) + 1 if to is None else to
@@ -222,7 +227,7 @@ def random_from(self, from_, to=None, generator=None, key=None):
 
 @lower(aten.randperm.default, random=True)
 def randperm(n, dtype=None, layout=None, device=None, pin_memory=None, key=None):
-    return jax.random.permutation(key, n).astype(dtypes.to_jax(schema_dtype(dtype) or _INT64))
+    return jax.random.permutation(key, n).astype(dtypes.to_jax(schema_dtype(dtype) or torch.int64))
 
 
 @lower(aten.randperm.generator, random=True)
@@ -230,9 +235,6 @@ def randperm_generator(n, generator, dtype=None, layout=None, device=None, pin_m
                        key=None):
     _check_generator(generator)
     return randperm(n, dtype, layout, device, pin_memory, key)
-
-
-_INT64 = dtypes.to_torch(jnp.int64)
 
 
 @lower(aten.multinomial.default, random=True)
@@ -266,11 +268,13 @@ def _rrelu(self, noise, lower_, upper, training, key):
         return jnp.where(self >= 0, self, self * ((lower_ + upper) / 2)), noise
     slope = jax.random.uniform(key, self.shape, _draw_dtype(self.dtype), lower_, upper)
     negative = self <= 0
-    return jnp.where(negative, self * slope, self), jnp.where(negative, slope, 1).astype(noise.dtype)
+    new_noise = jnp.where(negative, slope, 1).astype(noise.dtype)
+    return jnp.where(negative, self * slope, self), new_noise
 
 
 @lower(aten.rrelu_with_noise.default, random=True, mutates=("noise",))
-def rrelu_with_noise(self, noise, lower=0.125, upper=1 / 3, training=False, generator=None, key=None):
+def rrelu_with_noise(self, noise, lower=0.125, upper=1 / 3, training=False, generator=None,
+                     key=None):
     _check_generator(generator)
     return _rrelu(self, noise, lower, upper, training, key)
 

@@ -56,15 +56,9 @@ def _acc(x, dtype=None):
 def _upcast(x):
     """Low-precision floats to float32, integers to the default float; for float-only math."""
     x = jnp.asarray(x)
-    if x.dtype in _LOW_PRECISION:
-        return x.astype(jnp.float32)
-    if not _is_float(x):
+    if x.dtype in _LOW_PRECISION or not _is_float(x):
         return x.astype(jnp.float32)
     return x
-
-
-def _scan_axis(x, dim):
-    return dim % x.ndim if x.ndim else None
 
 
 # ---- sum / mean / prod ----------------------------------------------------------------------
@@ -96,12 +90,6 @@ def mean(self, dtype=None):
 def mean_dim(self, dim, keepdim=False, dtype=None):
     x = _acc(self, dtype)
     return jnp.mean(x, axis=_axes(x, dim), keepdims=keepdim)
-
-
-@lower(aten.nanmean.default)
-def nanmean(self, dim=None, keepdim=False, dtype=None):
-    x = _acc(self, dtype)
-    return jnp.nanmean(x, axis=_axes(x, dim), keepdims=keepdim)
 
 
 @lower(aten.prod.default)
@@ -280,19 +268,19 @@ def logsumexp(self, dim, keepdim=False):
 @lower(aten.cumsum.default)
 def cumsum(self, dim, dtype=None):
     x = _acc(self, dtype)
-    return x if x.ndim == 0 else jnp.cumsum(x, axis=_scan_axis(x, dim))
+    return x if x.ndim == 0 else jnp.cumsum(x, axis=dim % x.ndim)
 
 
 @lower(aten.cumprod.default)
 def cumprod(self, dim, dtype=None):
     x = _acc(self, dtype)
-    return x if x.ndim == 0 else jnp.cumprod(x, axis=_scan_axis(x, dim))
+    return x if x.ndim == 0 else jnp.cumprod(x, axis=dim % x.ndim)
 
 
 @lower(aten.logcumsumexp.default, aten._logcumsumexp.default)
 def logcumsumexp(self, dim):
     x = _upcast(self)
-    return x if x.ndim == 0 else lax.cumlogsumexp(x, axis=_scan_axis(x, dim))
+    return x if x.ndim == 0 else lax.cumlogsumexp(x, axis=dim % x.ndim)
 
 
 def _cum_extreme(x, dim, better):
@@ -301,8 +289,10 @@ def _cum_extreme(x, dim, better):
     combine is associative."""
     if x.ndim == 0:
         return x, jnp.zeros((), jnp.int64)
-    axis = _scan_axis(x, dim)
+    axis = dim % x.ndim
     idx = lax.broadcasted_iota(jnp.int64, x.shape, axis)
+    if x.shape[axis] == 0:
+        return x, idx
     is_float = _is_float(x)
 
     def combine(a, b):
@@ -312,8 +302,6 @@ def _cum_extreme(x, dim, better):
             take_b = jnp.isnan(bv) | (~jnp.isnan(av) & take_b)
         return jnp.where(take_b, bv, av), jnp.where(take_b, bi, ai)
 
-    if x.shape[axis] == 0:
-        return x, idx
     return lax.associative_scan(combine, (x, idx), axis=axis)
 
 
