@@ -24,7 +24,8 @@ class MLP(nn.Module):
 class CNN(nn.Module):
     def __init__(self):
         super().__init__()
-        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        # no bias before BatchNorm: its true gradient is 0, so AdamW would amplify rounding noise
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(8)
         self.conv2 = nn.Conv2d(8, 16, 3, stride=2, padding=1)
         self.pool = nn.AdaptiveAvgPool2d(1)
