@@ -39,7 +39,7 @@ def cpu_fallback_enabled() -> bool:
 
 # ---- schema helpers ------------------------------------------------------------------------
 
-TENSOR, OPT_TENSOR, TENSOR_LIST, SCALAR, STATIC = range(5)
+TENSOR, OPT_TENSOR, TENSOR_LIST, SCALAR, STATIC, SCALAR_LIST = range(6)
 
 
 def _arg_kind(arg):
@@ -51,7 +51,24 @@ def _arg_kind(arg):
         return TENSOR_LIST
     if s in ("number", "Optional[number]"):
         return SCALAR
+    if s == "List[number]":
+        return SCALAR_LIST
     return STATIC
+
+
+# c10::ScalarType numbering, for schema defaults such as `ScalarType dtype=4`
+_SCALAR_TYPES = {0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64,
+                 5: torch.float16, 6: torch.float32, 7: torch.float64, 9: torch.complex64,
+                 10: torch.complex128, 11: torch.bool, 15: torch.bfloat16}
+
+
+def _default(arg):
+    if not arg.has_default_value():
+        return None
+    v = arg.default_value
+    if isinstance(v, int) and not isinstance(v, bool) and "ScalarType" in str(arg.type):
+        return _SCALAR_TYPES.get(v, v)
+    return v
 
 
 class Signature:
@@ -62,7 +79,7 @@ class Signature:
         self.names = [a.name for a in schema.arguments]
         self.kinds = [_arg_kind(a) for a in schema.arguments]
         self.kwarg_only = [a.kwarg_only for a in schema.arguments]
-        self.defaults = [a.default_value if a.has_default_value() else None for a in schema.arguments]
+        self.defaults = [_default(a) for a in schema.arguments]
         self.written = [a.alias_info is not None and a.alias_info.is_write for a in schema.arguments]
         self.n = len(self.names)
 
@@ -239,6 +256,10 @@ class LoweredKernel:
                         arrays.append(storage.read(t))
                 key.append(tuple(parts))
                 dyn.append(arrays)
+            elif k == SCALAR_LIST and not self.lowering.static:
+                # Adam's per-step bias corrections: traced, or every step would recompile
+                key.append(tuple(type(x) for x in v))
+                dyn.append([x.item() if isinstance(x, torch.Tensor) else x for x in v])
             else:
                 key.append(_freeze(v))
         if self.lowering.random:
@@ -265,8 +286,8 @@ class LoweredKernel:
         elif v.device.type == "pjrt":
             raise RuntimeError("torchpjrt: this pjrt tensor has no device data (internal error)")
         else:
-            h = _host_scalar(v)
-            key.append(("host", h.dtype))
+            h = np.asarray(dtypes.numpy_from_cpu_tensor(v))
+            key.append(("host", h.shape, h.dtype))
             dyn.append(h)
 
     @property
@@ -352,6 +373,8 @@ def _compile(lowering, sig, vals, static_positions, expected):
             else:
                 template[i] = v
         elif k == TENSOR_LIST:
+            dynamic.append(i)
+        elif k == SCALAR_LIST and not lowering.static:
             dynamic.append(i)
         elif k == SCALAR:
             if not scalar_is_static(v, i, static_positions):
@@ -491,6 +514,18 @@ def make_out_kernel(op, functional, lowering):
     out_positions = [i for i in range(sig.n) if sig.written[i]]
     schema = op._schema
 
+    if len(out_positions) == 1 and sig.kinds[out_positions[0]] == TENSOR_LIST:
+        # _foreach_add.List_out(..., out=[...]): one result per output tensor, returns nothing
+
+        def list_kernel(*args, **kwargs):
+            vals = sig.values(args, kwargs)
+            outs = k.compute(vals)
+            for t, value in zip(vals[out_positions[0]], outs):
+                write_out(t, value)
+            return None if not schema.returns else vals[out_positions[0]]
+
+        return list_kernel
+
     def kernel(*args, **kwargs):
         vals = sig.values(args, kwargs)
         outs = k.compute(vals)
@@ -500,7 +535,6 @@ def make_out_kernel(op, functional, lowering):
             return vals[out_positions[0]]
         return tuple(vals[p] for p in out_positions)
 
-    del schema
     return kernel
 
 
@@ -601,7 +635,10 @@ def _functional_of(op):
     packet = getattr(aten, packet_name, None)
     if packet is None:
         return None
-    for ov in packet.overloads():
+    overloads = packet.overloads()
+    if op._overloadname in overloads:  # _foreach_mul_.Tensor -> _foreach_mul.Tensor, not .List
+        overloads = [op._overloadname] + [o for o in overloads if o != op._overloadname]
+    for ov in overloads:
         cand = getattr(packet, ov)
         cs = cand._schema
         if cand is op or any(a.alias_info is not None and a.alias_info.is_write for a in cs.arguments):
@@ -989,6 +1026,10 @@ def derived_overloads(op):
     return found
 
 
+def _is_composite_implicit(op) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+
+
 def _inplace_view_ops():
     """Metadata-only in-place ops (t_, transpose_, as_strided_, ...). Their composite kernels
     would bounds-check against the c10 storage, which holds no bytes here."""
@@ -1019,9 +1060,13 @@ def register():
     for op, lowering in TABLE.items():
         if lowering.view or _qualname(op) in SPECIAL_KERNELS:
             continue
+        if _is_composite_implicit(op):
+            # a backend kernel would shadow the decomposition that carries autograd;
+            # such lowerings serve the graph paths only
+            continue
         lib.impl(_qualname(op), make_functional_kernel(op, lowering), "PrivateUse1")
         for derived in derived_overloads(op):
-            if _qualname(derived) in SPECIAL_KERNELS:
+            if _qualname(derived) in SPECIAL_KERNELS or _is_composite_implicit(derived):
                 continue
             lib.impl(_qualname(derived), derived_kernel(derived, op), "PrivateUse1")
     fb = torch.library.Library("_", "IMPL")

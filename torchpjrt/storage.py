@@ -149,14 +149,14 @@ def write(t: torch.Tensor, value) -> None:
         st.replace(value)
         return
     _check_dtype_view(t.dtype, st.dtype)
+    if t.numel() == 0:
+        return
     size, stride = tuple(t.shape), t.stride()
     if any(s > 1 and d == 0 for s, d in zip(size, stride)):
         raise RuntimeError(
             "unsupported operation: more than one element of the written-to tensor refers to a "
             "single memory location. Please clone() the tensor before performing the operation."
         )
-    if t.numel() == 0:
-        return
     new = _writer(st.shape, size, stride, t.storage_offset(), dtypes.to_jax(st.dtype))(st.value(), value)
     st.replace(new)
 

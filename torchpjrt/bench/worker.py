@@ -37,7 +37,7 @@ def import_device(target: targets.Target):
         import torchpjrt
 
         if target.mode == "fused":
-            torchpjrt.set_eager_mode(False)
+            torchpjrt.set_eager_mode("fused")
     return torch.device(target.device_type)
 
 

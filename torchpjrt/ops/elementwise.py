@@ -120,8 +120,20 @@ def pow_st(self, exponent):
 
 def _pow(a, b):
     if not _is_float(a) and not _is_float(b) and not isinstance(b, float):
-        return lax.integer_pow(a, b) if isinstance(b, int) and b >= 0 else jnp.power(a, b)
+        if isinstance(b, int) and b >= 0:
+            return lax.integer_pow(a, b)
+        return _int_pow(a, b)
     return jnp.power(a, b)
+
+
+def _int_pow(a, b):
+    """Integer power as PyTorch defines it for negative exponents: 1 ** -n = 1,
+    (-1) ** -n = +-1, anything else ** -n = 0 (integer division)."""
+    a, b = jnp.broadcast_arrays(jnp.asarray(a), jnp.asarray(b))
+    positive = jnp.power(a, jnp.maximum(b, 0))
+    odd = (b % 2) != 0
+    negative = jnp.where(a == 1, 1, jnp.where(a == -1, jnp.where(odd, -1, 1), 0)).astype(positive.dtype)
+    return jnp.where(b < 0, negative, positive)
 
 
 @lower(aten.float_power.Tensor_Tensor, aten.float_power.Tensor_Scalar, aten.float_power.Scalar)

@@ -353,6 +353,41 @@ def linalg_solve_triangular(self, B, upper, left=True, unitriangular=False):
     return _tri_solve(self, B, lower=not upper, left=left, unit=unitriangular)
 
 
+# ---- least squares --------------------------------------------------------------------------
+
+
+def _real_dtype(x):
+    return jnp.real(jnp.zeros((), x.dtype)).dtype
+
+
+@lower(aten.linalg_lstsq.default, dynamic_shape=True)
+def linalg_lstsq(self, b, rcond=None, driver=None):
+    """Minimum-norm least squares by SVD (what gelsd/gelss compute; gelsy and gels agree
+    on the inputs they accept). No meta kernel exists and, for the SVD drivers, residuals
+    exist only when every matrix has full rank: this runs eagerly on concrete arrays and
+    builds the outputs PyTorch's CPU kernel gives for `driver`."""
+    driver = driver or "gelsy"
+    m, n = self.shape[-2:]
+    vector = _is_vector_rhs(self, b)
+    A, B = _broadcast_batch(self, b[..., None] if vector else b)
+    real = _real_dtype(A)
+    U, S, Vh = jnp.linalg.svd(A, full_matrices=False)
+    if rcond is None:
+        rcond = jnp.finfo(real).eps * max(m, n)
+    keep = S > rcond * jnp.max(S, axis=-1, keepdims=True, initial=0)
+    inv_s = jnp.where(keep, 1 / jnp.where(keep, S, 1), 0).astype(A.dtype)
+    X = _matmul(_mH(Vh), inv_s[..., :, None] * _matmul(_mH(U), B))
+    rank = jnp.sum(keep, axis=-1, dtype=jnp.int64)
+    full_rank = driver == "gels" or bool(jnp.all(rank == n))
+    if m > n and driver != "gelsy" and full_rank:
+        residuals = jnp.sum(jnp.abs(_matmul(A, X) - B) ** 2, axis=-2).astype(real)
+    else:
+        residuals = _empty(real)
+    return (X[..., 0] if vector else X, residuals,
+            rank if driver != "gels" else _empty(jnp.int64),
+            S if driver in ("gelsd", "gelss") else _empty(real))
+
+
 # ---- Cholesky -------------------------------------------------------------------------------
 
 
@@ -472,7 +507,9 @@ def linalg_eig(self):
 
 @lower(aten._linalg_eigvals.default)
 def linalg_eigvals(self):
-    return lax.linalg.eig(self, compute_left_eigenvectors=False, compute_right_eigenvectors=False)[0]
+    values, = lax.linalg.eig(self, compute_left_eigenvectors=False,
+                             compute_right_eigenvectors=False)
+    return values
 
 
 @lower(aten.linalg_matrix_exp.default)
