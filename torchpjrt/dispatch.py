@@ -271,8 +271,7 @@ class LoweredKernel:
         stats["lowered"] += 1
         return fn(*dyn)
 
-    @staticmethod
-    def _odd_tensor_arg(v, key, dyn):
+    def _odd_tensor_arg(self, v, key, dyn):
         """A Tensor-typed argument that is None, a Python number, or a CPU scalar tensor."""
         if v is None:
             key.append(None)
@@ -286,6 +285,8 @@ class LoweredKernel:
         elif v.device.type == "pjrt":
             raise RuntimeError("torchpjrt: this pjrt tensor has no device data (internal error)")
         else:
+            if v.dim() != 0 and not self.op._schema.name.startswith("aten::_foreach_"):
+                raise _device_error(v)  # only scalars (and foreach's CPU `scalars`) may be on the CPU
             h = np.asarray(dtypes.numpy_from_cpu_tensor(v))
             key.append(("host", h.shape, h.dtype))
             dyn.append(h)
