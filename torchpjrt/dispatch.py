@@ -222,11 +222,12 @@ class LoweredKernel:
                     continue
                 key.append(v.shape)
                 key.append(v.dtype)
-                if v.shape == st.shape and v.dtype == st.dtype and v.storage_offset() == 0 and v.is_contiguous() \
-                        and st.array is not None:
-                    dyn.append(st.array)
+                if v.shape == st.shape and v.dtype == st.dtype and v.storage_offset() == 0 and v.is_contiguous():
+                    dyn.append(st.array if st.array is not None else st.value())
                 else:
-                    dyn.append(storage.read(v))
+                    # a view: its strided read is compiled into this op (no separate dispatch)
+                    key.append((st.shape, st.dtype, v.stride(), v.storage_offset()))
+                    dyn.append(st.value())
             elif k == SCALAR:
                 if scalar_is_static(v, i, static_positions):
                     key.append(("s", v))
@@ -364,11 +365,15 @@ def _compile(lowering, sig, vals, static_positions, expected):
     kinds = sig.kinds
     template = list(vals)
     dynamic = []
+    view_readers = {}
     for i, v in enumerate(vals):
         k = kinds[i]
         if k == TENSOR:
             if isinstance(v, torch.Tensor):
                 dynamic.append(i)
+                reader = _view_reader(v)
+                if reader is not None:
+                    view_readers[i] = reader
             elif v is not None and not (isinstance(v, bool) or v == 1):
                 dynamic.append(i)
             else:
@@ -394,19 +399,34 @@ def _compile(lowering, sig, vals, static_positions, expected):
         full = list(template)
         for pos, v in zip(dynamic, dyn[:n_dyn]):
             full[pos] = v
+        for pos, reader in view_readers.items():
+            full[pos] = reader(full[pos])
         if random:
             full.append(random_state.key_from_seed_offset(dyn[n_dyn]))
         out = fn(*full)
         outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
-        if expected is not None and len(expected) == len(outs):
+        if expected is not None and len(expected) <= len(outs):
+            # the regular outputs come first; a mutating lowering's new argument values follow
+            # (they are cast by the write into the argument)
             outs = tuple(
                 o.astype(d) if hasattr(o, "dtype") and o.dtype != d else o for o, d in zip(outs, expected)
-            )
+            ) + outs[len(expected):]
         return outs
 
     if lowering.dynamic_shape:
         return run
     return jax.jit(run)
+
+
+def _view_reader(t):
+    """For a pjrt view argument: the function reading it from its storage's array."""
+    if t.device.type != "pjrt":
+        return None
+    st = t.untyped_storage()._pjrt
+    if storage.is_identity(t, st):
+        return None
+    storage._check_dtype_view(t.dtype, st.dtype)
+    return storage.read_fn(st.shape, tuple(t.shape), t.stride(), t.storage_offset(), dtypes.to_jax(t.dtype))
 
 
 def _returns_list(schema):
@@ -697,8 +717,10 @@ def _slow_path(op, args, kwargs):
     try:
         decomp = _decomposition(op)
         if decomp is not None:
-            stats["decomposed"] += 1
-            return decomp(*args, **kwargs)
+            result = decomp(*args, **kwargs)
+            if result is not NotImplemented:  # some decompositions decline some inputs
+                stats["decomposed"] += 1
+                return result
         functional = _functional_of(op)
         if functional is not None and functional not in active:
             return _via_functional(op, functional, args, kwargs)

@@ -241,6 +241,12 @@ def _view_dtype(x, dtype):
 
 @functools.lru_cache(maxsize=4096)
 def _reader(base_shape, size, stride, offset, dtype):
+    return jax.jit(read_fn(base_shape, size, stride, offset, dtype))
+
+
+@functools.lru_cache(maxsize=4096)
+def read_fn(base_shape, size, stride, offset, dtype):
+    """The pure function reading a view's elements from its storage's array."""
     plan = _chunk_plan(size, stride)
     numel = math.prod(size)
 
@@ -262,7 +268,7 @@ def _reader(base_shape, size, stride, offset, dtype):
         x = x.reshape([size[d] if d in kept else 1 for d in range(len(size))])
         return _view_dtype(jnp.broadcast_to(x, size), dtype)
 
-    return jax.jit(read)
+    return read
 
 
 @functools.lru_cache(maxsize=4096)

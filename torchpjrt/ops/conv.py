@@ -16,9 +16,9 @@ _LOW = (jnp.bfloat16, jnp.float16)
 
 
 def _dimension_numbers(n):
-    sp = "DHW"[3 - n:] if n <= 3 else None
-    if sp is None:
+    if not 1 <= n <= 3:
         raise NotImplementedError(f"torchpjrt: {n}-d convolution")
+    sp = "DHW"[3 - n:]
     return ("NC" + sp, "OI" + sp, "NC" + sp)
 
 
@@ -49,9 +49,9 @@ def _conv(input, weight, stride, padding, dilation, transposed, output_padding, 
     if not transposed:
         pads = [(p, p) for p in padding]
         return lax.conv_general_dilated(input, weight, tuple(stride), pads, rhs_dilation=tuple(dilation), **kwargs)
-    k = weight.shape[2:]
     # the stride becomes input dilation; padding d*(k-1)-p each side (+output_padding after)
-    pads = [(d * (kk - 1) - p, d * (kk - 1) - p + op) for kk, p, d, op in zip(k, padding, dilation, _expand(output_padding, n))]
+    geometry = zip(weight.shape[2:], padding, dilation, _expand(output_padding, n))
+    pads = [(d * (k - 1) - p, d * (k - 1) - p + op) for k, p, d, op in geometry]
     return lax.conv_general_dilated(input, _transposed_kernel(weight, groups), (1,) * n, pads,
                                     lhs_dilation=tuple(stride), rhs_dilation=tuple(dilation), **kwargs)
 
@@ -71,11 +71,9 @@ def convolution_backward(grad_output, input, weight, bias_sizes, stride, padding
         return _conv(x, w, stride, padding, dilation, transposed, output_padding, groups)
 
     out, vjp = jax.vjp(f, input, weight)
-    grad_input, grad_weight = vjp(grad_output.astype(out.dtype))
-    grad_bias = None
-    if output_mask[2]:
-        grad_bias = jnp.sum(grad_output.astype(jnp.float32 if grad_output.dtype in _LOW else grad_output.dtype),
-                            axis=(0,) + tuple(range(2, grad_output.ndim)))
+    grad = grad_output.astype(out.dtype)  # float32 for low-precision inputs
+    grad_input, grad_weight = vjp(grad)
+    grad_bias = jnp.sum(grad, axis=(0,) + tuple(range(2, grad.ndim))) if output_mask[2] else None
     return (grad_input if output_mask[0] else None,
             grad_weight if output_mask[1] else None,
             grad_bias)
