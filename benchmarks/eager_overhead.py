@@ -35,6 +35,20 @@ def time_add(device, n):
     return (time.perf_counter() - t0) / n
 
 
+def time_jax_add(n):
+    """Raw jax.jit dispatch of the same add: the floor any JAX-backed device pays."""
+    import jax
+    import jax.numpy as jnp
+
+    add = jax.jit(jnp.add)
+    a = jnp.ones((64, 64), jnp.float32)
+    b = jnp.ones((64, 64), jnp.float32)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        add(a, b).block_until_ready()
+    return (time.perf_counter() - t0) / n
+
+
 def mlp_step_fn(device):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 10)).to(device)
@@ -63,11 +77,14 @@ def time_steps(step, device, n):
 def main():
     devices = ["cpu", "pjrt"]
     add_t = {d: [] for d in devices}
+    jax_t = []
     for d in devices:
         time_add(d, 200)  # warm-up (compiles)
+    time_jax_add(200)
     for _ in range(7):
         for d in devices:
             add_t[d].append(time_add(d, 500))
+        jax_t.append(time_jax_add(500))
     steps = {d: mlp_step_fn(d) for d in devices}
     for d in devices:
         time_steps(steps[d], d, 5)
@@ -81,6 +98,9 @@ def main():
     for name, label in (("add", "add 64x64 (until ready)"), ("mlp", "MLP train step (SGD)")):
         c, p = med[name]["cpu"], med[name]["pjrt"]
         print(f"{label:28s} {c * 1e6:10.1f}us {p * 1e6:10.1f}us {p / c:8.2f}x")
+    j = statistics.median(jax_t)
+    print(f"raw jax.jit add (until ready): {j * 1e6:.1f}us = {j / med['add']['cpu']:.2f}x torch cpu; "
+          f"pjrt / raw jax = {med['add']['pjrt'] / j:.2f}x")
 
 
 if __name__ == "__main__":
