@@ -210,7 +210,9 @@ def main(argv=None):
     t0 = time.time()
     for dname in dtype_names:
         dt = DTYPES[dname]
-        for opinfo in op_db():
+        for n, opinfo in enumerate(op_db()):
+            if not a.verbose and n % 50 == 0:
+                print(f"  {dname}: {n}/{len(op_db())} ops, {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
             key = op_key(opinfo)
             if only and opinfo.name not in only and key not in only:
                 continue
