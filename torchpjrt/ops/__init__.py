@@ -71,6 +71,7 @@ _FAMILIES = (
     "factory",
     "foreach",
     "views",
+    "fft",
 )
 
 

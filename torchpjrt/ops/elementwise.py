@@ -381,3 +381,42 @@ def polygamma(n, self):
 @lower(aten.mvlgamma.default, static=("p",))
 def mvlgamma(self, p):
     return jax.scipy.special.multigammaln(self, p)
+
+
+# ---- special functions -------------------------------------------------------------------
+
+
+def _float(x):
+    return x if _is_float(x) else jnp.asarray(x).astype(jnp.float32)
+
+
+@lower(aten.igamma.default)
+def igamma(self, other):
+    return jax.scipy.special.gammainc(_float(self), _float(other))
+
+
+@lower(aten.igammac.default)
+def igammac(self, other):
+    return jax.scipy.special.gammaincc(_float(self), _float(other))
+
+
+@lower(aten.special_zeta.default)
+def special_zeta(self, other):
+    return jax.scipy.special.zeta(_float(self), _float(other))
+
+
+@lower(aten.special_modified_bessel_i0.default)
+def special_modified_bessel_i0(self):
+    return jax.scipy.special.i0(_float(self))
+
+
+@lower(aten.special_modified_bessel_i1.default)
+def special_modified_bessel_i1(self):
+    return jax.scipy.special.i1(_float(self))
+
+
+@lower(aten.special_spherical_bessel_j0.default)
+def special_spherical_bessel_j0(self):
+    x = _float(self)
+    safe = jnp.where(x == 0, 1, x)
+    return jnp.where(x == 0, jnp.ones_like(x), jnp.sin(safe) / safe)
