@@ -61,21 +61,21 @@ def test_int64_and_float64_are_kept():
 
 
 def test_unsupported_op_names_the_overload():
-    x = torch.randn(8, device="pjrt")
-    with pytest.raises(NotImplementedError, match=r"aten::_fft_r2c.*TORCHPJRT_CPU_FALLBACK=1"):
-        torch.fft.rfft(x)
+    x = torch.randn(3, 4, device="pjrt")
+    with pytest.raises(NotImplementedError, match=r"aten::_cdist_forward.*TORCHPJRT_CPU_FALLBACK=1"):
+        torch.cdist(x, x)
 
 
 def test_cpu_fallback_is_opt_in_warns_and_counts(monkeypatch):
     monkeypatch.setenv("TORCHPJRT_CPU_FALLBACK", "1")
-    x = torch.randn(8)
-    before = torchpjrt.cpu_fallback_counts["aten::_fft_r2c.default"]
+    x, y = torch.randn(3, 4), torch.randn(2, 4)
+    before = torchpjrt.cpu_fallback_counts["aten::_cdist_forward.default"]
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
-        out = torch.fft.rfft(x.to("pjrt"))
+        out = torch.cdist(x.to("pjrt"), y.to("pjrt"))
     assert out.device.type == "pjrt"
-    torch.testing.assert_close(out.cpu(), torch.fft.rfft(x))
-    assert torchpjrt.cpu_fallback_counts["aten::_fft_r2c.default"] == before + 1
+    torch.testing.assert_close(out.cpu(), torch.cdist(x, y))
+    assert torchpjrt.cpu_fallback_counts["aten::_cdist_forward.default"] == before + 1
 
 
 def test_other_device_index_is_a_clear_error():
