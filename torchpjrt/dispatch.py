@@ -10,7 +10,6 @@
             NotImplementedError naming the aten overload.
 """
 
-import contextlib
 import os
 import threading
 import warnings
@@ -39,7 +38,7 @@ def cpu_fallback_enabled() -> bool:
 
 # ---- schema helpers ------------------------------------------------------------------------
 
-TENSOR, OPT_TENSOR, TENSOR_LIST, SCALAR, STATIC, SCALAR_LIST = range(6)
+TENSOR, TENSOR_LIST, SCALAR, STATIC, SCALAR_LIST = range(5)
 
 
 def _arg_kind(arg):
@@ -160,7 +159,7 @@ def run_meta(op, sig, vals):
     ):
         mkwargs["device"] = "meta"
     try:
-        with torch._C._DisableTorchDispatch(), _no_grad_meta():
+        with torch._C._DisableTorchDispatch(), torch.no_grad():
             return op(*margs, **mkwargs)
     except NotImplementedError as e:
         raise _NoMeta() from e
@@ -173,12 +172,6 @@ def run_meta(op, sig, vals):
         if "data-dependent" in msg or "unbacked" in msg or "item()" in msg:
             raise _NoMeta() from e
         raise
-
-
-@contextlib.contextmanager
-def _no_grad_meta():
-    with torch.no_grad():
-        yield
 
 
 # ---- lowered ops -----------------------------------------------------------------------------
@@ -205,7 +198,10 @@ class LoweredKernel:
         self.lowering = lowering
         self.n_inputs = self.sig.n if n_inputs is None else n_inputs
         self.cache = {}
-        self.name = str(op)
+        args = self.sig.schema.arguments
+        self.plan = [(i, self.sig.kinds[i]) for i in range(self.n_inputs)]
+        self._static_positions = frozenset(i for i, name in enumerate(self.sig.names) if name in lowering.static)
+        self._index_lists = frozenset(i for i, a in enumerate(args) if str(a.type) == "List[Optional[Tensor]]")
 
     def compute(self, vals):
         """The lowering's outputs (a tuple of jax arrays) for normalized argument values."""
@@ -291,34 +287,6 @@ class LoweredKernel:
             h = np.asarray(dtypes.numpy_from_cpu_tensor(v))
             key.append(("host", h.shape, h.dtype))
             dyn.append(h)
-
-    @property
-    def _index_lists(self):
-        try:
-            return self.__dict__["_il"]
-        except KeyError:
-            il = self.__dict__["_il"] = frozenset(
-                i for i, a in enumerate(self.sig.schema.arguments) if str(a.type) == "List[Optional[Tensor]]"
-            )
-            return il
-
-    @property
-    def plan(self):
-        try:
-            return self.__dict__["_plan"]
-        except KeyError:
-            p = self.__dict__["_plan"] = [(i, self.sig.kinds[i]) for i in range(self.n_inputs)]
-            return p
-
-    @property
-    def _static_positions(self):
-        try:
-            return self.__dict__["_sp"]
-        except KeyError:
-            sp = self.__dict__["_sp"] = frozenset(
-                i for i, name in enumerate(self.sig.names) if name in self.lowering.static
-            )
-            return sp
 
     def _build(self, vals, key):
         storage.default_device()  # picks the platform (TORCHPJRT_PLATFORM) before compiling
