@@ -40,3 +40,10 @@ def _seed():
 
 def pytest_configure(config):
     os.environ.setdefault("TORCHPJRT_CPU_FALLBACK", "0")
+
+
+@pytest.fixture(params=["strict", "debug", "fused"])
+def each_eager_mode(request):
+    """Run a test once per eager mode (modules opt in with `usefixtures`)."""
+    with torchpjrt.eager_mode(request.param):
+        yield request.param

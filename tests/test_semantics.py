@@ -9,6 +9,9 @@ import torch
 
 from conftest import assert_same, to_dev
 
+# every case runs in strict, debug and fused eager mode
+pytestmark = pytest.mark.usefixtures("each_eager_mode")
+
 
 def _inputs():
     g = torch.Generator().manual_seed(0)

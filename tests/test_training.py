@@ -7,6 +7,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+# every case runs in strict, debug and fused eager mode
+pytestmark = pytest.mark.usefixtures("each_eager_mode")
+
 
 class MLP(nn.Module):
     def __init__(self):

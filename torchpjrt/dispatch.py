@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch._ops import OpOverload
 
-from . import dtypes, random_state, storage
+from . import dtypes, eager, fusion, random_state, storage
 from .ops import TABLE, Lowering
 
 aten = torch.ops.aten
@@ -198,6 +198,7 @@ class LoweredKernel:
         self.lowering = lowering
         self.n_inputs = self.sig.n if n_inputs is None else n_inputs
         self.cache = {}
+        self.fused_avals = {}  # key -> output shapes/dtypes, for recording in fused mode
         args = self.sig.schema.arguments
         self.plan = [(i, self.sig.kinds[i]) for i in range(self.n_inputs)]
         self._static_positions = frozenset(i for i, name in enumerate(self.sig.names) if name in lowering.static)
@@ -266,6 +267,11 @@ class LoweredKernel:
         if fn is None:
             fn = self._build(vals, key)
         stats["lowered"] += 1
+        if self.lowering.dynamic_shape:
+            # data-dependent output shapes (nonzero, unique): the inputs must be known
+            return fn(*fusion.concrete_tree(dyn))
+        if fusion._recording:
+            return fusion.record_keyed(self.fused_avals, key, fn, dyn)
         return fn(*dyn)
 
     def _odd_tensor_arg(self, v, key, dyn):
@@ -648,6 +654,8 @@ def fallback(keyset, op, *args, **kwargs):
     handler = _handlers.get(op)
     if handler is None:
         handler = _handlers[op] = _classify(op)
+    if eager.debug_enabled:
+        return eager.run_debug(op, lambda *a, **k: handler(op, a, k), args, kwargs)
     return handler(op, args, kwargs)
 
 
@@ -747,7 +755,7 @@ def _unsupported(op, args, kwargs):
 
 
 def to_cpu(t: torch.Tensor) -> torch.Tensor:
-    arr = np.asarray(storage.read(t))
+    arr = np.asarray(fusion.concrete(storage.read(t)))
     return dtypes.cpu_tensor_from_numpy(arr, t.dtype).reshape(t.shape)
 
 
@@ -918,7 +926,11 @@ def k_local_scalar_dense(self):
     if self.numel() != 1:
         raise RuntimeError(f"a Tensor with {self.numel()} elements cannot be converted to Scalar")
     stats["host_read"] += 1
-    return np.asarray(storage.read(self)).reshape(()).item()
+    value = storage.read(self)
+    if type(value) is fusion.Pending:
+        fusion.flush("item")
+        value = value.value
+    return np.asarray(value).reshape(()).item()
 
 
 def k_equal(self, other):
@@ -926,8 +938,11 @@ def k_equal(self, other):
         raise _device_error(other if other.device.type != "pjrt" else self)
     if self.shape != other.shape:
         return False
-    a, b = storage.read(self), storage.read(other)
-    return bool(_array_equal(a, b))
+    same = fusion.call(_array_equal, storage.read(self), storage.read(other))
+    if type(same) is fusion.Pending:
+        fusion.flush("item")
+        same = same.value
+    return bool(same)
 
 
 @jax.jit
@@ -1038,6 +1053,22 @@ def _bound(handler, op):
     return kernel
 
 
+def _instrumented(op, kernel):
+    """`kernel` as registered: in debug mode it runs under eager.run_debug."""
+
+    def registered(*args, **kwargs):
+        if eager.debug_enabled:
+            return eager.run_debug(op, kernel, args, kwargs)
+        return kernel(*args, **kwargs)
+
+    return registered
+
+
+def _op_named(qualname):
+    name, _, overload = qualname.partition(".")
+    return getattr(getattr(aten, name), overload or "default")
+
+
 def register():
     from .ops import load_all
 
@@ -1045,9 +1076,9 @@ def register():
     lib = torch.library.Library("aten", "IMPL")
     _libs.append(lib)
     for name, fn in SPECIAL_KERNELS.items():
-        lib.impl(name, fn, "PrivateUse1")
+        lib.impl(name, _instrumented(_op_named(name), fn), "PrivateUse1")
     for op in _inplace_view_ops():
-        lib.impl(_qualname(op), _bound(inplace_view_kernel, op), "PrivateUse1")
+        lib.impl(_qualname(op), _instrumented(op, _bound(inplace_view_kernel, op)), "PrivateUse1")
     for op, lowering in TABLE.items():
         if lowering.view or _qualname(op) in SPECIAL_KERNELS:
             continue
@@ -1055,11 +1086,11 @@ def register():
             # a backend kernel would shadow the decomposition that carries autograd;
             # such lowerings serve the graph paths only
             continue
-        lib.impl(_qualname(op), make_functional_kernel(op, lowering), "PrivateUse1")
+        lib.impl(_qualname(op), _instrumented(op, make_functional_kernel(op, lowering)), "PrivateUse1")
         for derived in derived_overloads(op):
             if _qualname(derived) in SPECIAL_KERNELS or _is_composite_implicit(derived):
                 continue
-            lib.impl(_qualname(derived), derived_kernel(derived, op), "PrivateUse1")
+            lib.impl(_qualname(derived), _instrumented(derived, derived_kernel(derived, op)), "PrivateUse1")
     fb = torch.library.Library("_", "IMPL")
     _libs.append(fb)
     fb.fallback(fallback, dispatch_key="PrivateUse1", with_keyset=True)

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 from jax import lax
 
-from . import dtypes
+from . import dtypes, fusion
+from .fusion import call
 
 _create_empty = torch._C._acc.create_empty_tensor
 _META = torch._C.DispatchKeySet(torch._C.DispatchKey.Meta)
@@ -35,6 +36,8 @@ class Storage:
     def __init__(self, array, dtype: torch.dtype, shape=None):
         self.array = array  # None until first written: an uninitialized (empty) storage
         self.shape = tuple(array.shape) if array is not None else tuple(shape)
+        if type(array) is fusion.Pending:
+            fusion.track(self)
         self.dtype = dtype
         self.version = 0
         self.views = None  # {(geometry, dtype): (version, array)} for materialized views
@@ -48,6 +51,8 @@ class Storage:
         if self.array is None:
             # PyTorch leaves empty() uninitialized; zeros are one valid content.
             self.array = _zeros(self.shape, dtypes.to_jax(self.dtype))
+            if type(self.array) is fusion.Pending:
+                fusion.track(self)
         return self.array
 
     def replace(self, array):
@@ -55,6 +60,8 @@ class Storage:
         self.shape = tuple(array.shape)
         self.version += 1
         self.views = None
+        if type(array) is fusion.Pending:
+            fusion.track(self)
 
 
 @functools.lru_cache(maxsize=None)
@@ -64,7 +71,7 @@ def _zeros_fn(shape, dtype):
 
 
 def _zeros(shape, dtype):
-    return _zeros_fn(shape, dtype)()
+    return call(_zeros_fn(shape, dtype))
 
 
 def default_device():
@@ -79,11 +86,11 @@ def adopt_raw_bytes(t: torch.Tensor) -> None:
     if not st.raw or t.dtype == torch.uint8:
         return
     k = t.dtype.itemsize
-    flat = st.value().reshape(-1)
-    if flat.shape[0] % k:
-        raise RuntimeError(f"torchpjrt: {flat.shape[0]} bytes do not hold a whole number of {t.dtype}")
+    n = st.numel
+    if n % k:
+        raise RuntimeError(f"torchpjrt: {n} bytes do not hold a whole number of {t.dtype}")
     jd = dtypes.to_jax(t.dtype)
-    typed = _bytes_as(flat.shape[0] // k, k, jd)(flat)
+    typed = call(_bytes_as(n // k, k, jd), st.value())
     st.raw = False
     st.dtype = t.dtype
     st.replace(typed)
@@ -92,9 +99,9 @@ def adopt_raw_bytes(t: torch.Tensor) -> None:
 @functools.lru_cache(maxsize=None)
 def _bytes_as(n, k, dtype):
     if dtype == jnp.bool_:
-        return jax.jit(lambda b: b.astype(jnp.bool_))
+        return jax.jit(lambda b: b.reshape(-1).astype(jnp.bool_))
     if k == 1:
-        return jax.jit(lambda b: lax.bitcast_convert_type(b, dtype))
+        return jax.jit(lambda b: lax.bitcast_convert_type(b.reshape(-1), dtype))
     return jax.jit(lambda b: lax.bitcast_convert_type(b.reshape(n, k), dtype))
 
 
@@ -130,7 +137,9 @@ def _read_view(t, st):
             return hit[1]
     base = st.value()
     _check_dtype_view(t.dtype, st.dtype)
-    out = _reader(st.shape, *geometry, dtypes.to_jax(t.dtype))(base)
+    out = call(_reader(st.shape, *geometry, dtypes.to_jax(t.dtype)), base)
+    if type(out) is fusion.Pending:
+        return out  # the read is fused into the pending graph; nothing to cache
     if views is None or len(views) > 64:
         st.views = views = {}
     views[key] = (st.version, out)
@@ -157,7 +166,7 @@ def write(t: torch.Tensor, value) -> None:
             "unsupported operation: more than one element of the written-to tensor refers to a "
             "single memory location. Please clone() the tensor before performing the operation."
         )
-    new = _writer(st.shape, size, stride, t.storage_offset(), dtypes.to_jax(st.dtype))(st.value(), value)
+    new = call(_writer(st.shape, size, stride, t.storage_offset(), dtypes.to_jax(st.dtype)), st.value(), value)
     st.replace(new)
 
 
@@ -175,7 +184,7 @@ def _cast_fn(dtype):
 
 
 def _cast(x, dtype):
-    return _cast_fn(dtype)(x)
+    return call(_cast_fn(dtype), x)
 
 
 @functools.lru_cache(maxsize=None)
@@ -184,7 +193,7 @@ def _broadcast_fn(shape):
 
 
 def _broadcast(x, shape):
-    return _broadcast_fn(shape)(x)
+    return call(_broadcast_fn(shape), x)
 
 
 # ---- strided reads and writes ------------------------------------------------------------
@@ -335,20 +344,14 @@ def resize(t: torch.Tensor, size) -> None:
     offset = t.storage_offset() if math.prod(size) else 0
     need = offset + math.prod(size)
     if need > st.numel:
-        old = st.value().reshape(-1)
-        grown = _grow(old, need)
-        st.replace(grown)
+        st.replace(call(_grow_fn(st.numel, need, dtypes.to_jax(st.dtype)), st.value()))
     stride = contiguous_strides(size)
     set_geometry(t, size, stride, offset)
 
 
 @functools.lru_cache(maxsize=None)
 def _grow_fn(old_n, new_n, dtype):
-    return jax.jit(lambda x: jnp.concatenate([x, jnp.zeros((new_n - old_n,), dtype)]))
-
-
-def _grow(flat, n):
-    return _grow_fn(flat.shape[0], n, flat.dtype)(flat)
+    return jax.jit(lambda x: jnp.concatenate([x.reshape(-1), jnp.zeros((new_n - old_n,), dtype)]))
 
 
 def contiguous_strides(size):
@@ -364,6 +367,7 @@ def contiguous_strides(size):
 
 def synchronize_all():
     """Block until every live device array is computed (dispatch is asynchronous)."""
+    fusion.flush("synchronize")
     for a in jax.live_arrays():
         try:
             a.block_until_ready()

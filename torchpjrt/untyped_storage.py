@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import torch
 
-from . import dtypes, storage
+from . import dtypes, fusion, storage
 
 _original = {}
 
@@ -65,7 +65,7 @@ def _cpu(self):
     if not _is_pjrt(self):
         return _original["cpu"](self)
     st = _data(self)
-    flat = np.asarray(st.value()).reshape(-1)
+    flat = np.asarray(fusion.concrete(st.value())).reshape(-1)
     return dtypes.cpu_tensor_from_numpy(flat, st.dtype).untyped_storage()
 
 

@@ -15,7 +15,7 @@ import jax
 import torch
 from functorch.compile import make_boxed_func
 
-from .. import dtypes, random_state, storage
+from .. import dtypes, fusion, random_state, storage
 from ..ops import TABLE
 from . import graph as graph_mod
 
@@ -54,7 +54,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs):
     def run(*args):
         seed_offset = random_state.next_seed_offset() if random else _NO_SEED
         arrays = [_input(a) for a in args]
-        outs = jitted(seed_offset, *arrays)
+        outs = fusion.call(jitted, seed_offset, *arrays)
         stats["calls"] += 1
         return [storage.wrap(o) if hasattr(o, "shape") and hasattr(o, "dtype") else o for o in outs]
 

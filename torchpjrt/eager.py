@@ -1,0 +1,229 @@
+"""The three eager modes: strict (default), debug, and fused.
+
+- strict: each op is one asynchronous XLA dispatch; PyTorch semantics exactly.
+- debug:  each op runs synchronously; errors name the aten op and the user's source line;
+          optional NaN/Inf check per op (TORCHPJRT_CHECK_NANS=1) and op log
+          (TORCHPJRT_LOG_OPS=1) with shapes, dtypes and time per op.
+- fused:  ops are recorded and run as one XLA program at the next observation point
+          (see fusion.py).
+
+Chosen with `set_eager_mode`, the `eager_mode` context manager, or TORCHPJRT_EAGER_MODE.
+"""
+
+import contextlib
+import logging
+import os
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from . import fusion, storage
+
+MODES = ("strict", "debug", "fused")
+
+_lock = threading.RLock()
+_mode = "strict"
+debug_enabled = False  # read by every kernel's debug hook (dispatch.instrumented)
+check_nans = False
+log_ops = False
+
+log = logging.getLogger("torchpjrt.ops")
+
+
+def _env_flag(name) -> bool:
+    return os.environ.get(name, "0") not in ("", "0", "false", "False")
+
+
+def get_eager_mode() -> str:
+    return _mode
+
+
+def set_eager_mode(mode: str, *, max_ops: int = None, check_nans: bool = None, log_ops: bool = None) -> None:
+    """Select the eager mode for the whole process.
+
+    max_ops (fused): pending graph size that forces a flush.
+    check_nans, log_ops (debug): as TORCHPJRT_CHECK_NANS / TORCHPJRT_LOG_OPS.
+    """
+    global _mode, debug_enabled
+    if mode not in MODES:
+        raise ValueError(f"torchpjrt: unknown eager mode {mode!r}; expected one of {', '.join(MODES)}")
+    if max_ops is not None:
+        if int(max_ops) < 1:
+            raise ValueError(f"torchpjrt: max_ops must be at least 1, got {max_ops}")
+        fusion.max_ops = int(max_ops)
+    _set_debug_options(check_nans, log_ops)
+    with _lock:
+        fusion.set_recording(mode == "fused")  # leaving fused mode runs what is pending
+        debug_enabled = mode == "debug"
+        _mode = mode
+
+
+def _set_debug_options(nans, ops):
+    global check_nans, log_ops
+    if nans is not None:
+        check_nans = bool(nans)
+    if ops is not None:
+        log_ops = bool(ops)
+        if log_ops and not log.handlers and not logging.getLogger().handlers:
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            log.addHandler(handler)
+        if log_ops:
+            log.setLevel(logging.INFO)
+
+
+@contextlib.contextmanager
+def eager_mode(mode: str, **options):
+    """`with torchpjrt.eager_mode("fused"): ...` then back to the previous mode."""
+    previous = _mode
+    set_eager_mode(mode, **options)
+    try:
+        yield
+    finally:
+        set_eager_mode(previous)
+
+
+def eager_stats() -> dict:
+    """Ops dispatched, graphs compiled, cache hits/misses, compile seconds, flush reasons."""
+    from . import dispatch
+
+    s = fusion.stats
+    return {
+        "mode": _mode,
+        "ops_dispatched": dispatch.stats["lowered"],
+        "ops_recorded": s["ops_recorded"],
+        "ops_pending": fusion.pending_ops(),
+        "graphs_compiled": s["graphs_compiled"],
+        "cache_hits": s["cache_hits"],
+        "cache_misses": s["cache_misses"],
+        "cached_graphs": len(fusion._compiled),
+        "compile_seconds": s["compile_seconds"],
+        "flushes": s["flushes"],
+        "flush_reasons": dict(fusion.flush_reasons),
+    }
+
+
+def reset_eager_stats() -> None:
+    fusion.reset_stats()
+
+
+def install() -> None:
+    """Mode from the environment; in fused mode an optimizer step ends a graph."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    register_optimizer_step_post_hook(_after_optimizer_step)
+    _set_debug_options(_env_flag("TORCHPJRT_CHECK_NANS"), _env_flag("TORCHPJRT_LOG_OPS"))
+    mode = os.environ.get("TORCHPJRT_EAGER_MODE")
+    if mode:
+        if mode not in MODES:
+            raise ValueError(f"torchpjrt: TORCHPJRT_EAGER_MODE={mode!r}; expected one of {', '.join(MODES)}")
+        set_eager_mode(mode)
+
+
+def _after_optimizer_step(optimizer, args, kwargs):
+    # the natural step boundary: graphs cut here have the same structure every step
+    if fusion.recording():
+        fusion.flush("optimizer_step")
+
+
+# ---- debug mode ------------------------------------------------------------------------------
+
+_PACKAGE_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules[__package__]))
+_depth = threading.local()
+
+
+def user_frame():
+    """'file:line in function' of the innermost caller outside torch and torchpjrt."""
+    f = sys._getframe(1)
+    while f is not None:
+        name = f.f_code.co_filename
+        if not name.startswith(_PACKAGE_DIRS) and not name.startswith("<frozen"):
+            return f"{name}:{f.f_lineno} in {f.f_code.co_name}"
+        f = f.f_back
+    return "<unknown>"
+
+
+def run_debug(op, kernel, args, kwargs):
+    """One op in debug mode: synchronous, checked, logged."""
+    name = f"{op._schema.name}.{op._overloadname}"
+    level = getattr(_depth, "n", 0)
+    _depth.n = level + 1
+    t0 = time.perf_counter()
+    try:
+        result = kernel(*args, **kwargs)
+        outs = [t for t in _tensors(result) if t.device.type == "pjrt"]
+        arrays = [_array_of(t) for t in outs]
+        for a in arrays:
+            if a is not None:
+                a.block_until_ready()
+    except Exception as e:
+        if not getattr(e, "_torchpjrt_noted", False):
+            e.add_note(f"torchpjrt (debug mode): raised by {name}, called from {user_frame()}")
+            e._torchpjrt_noted = True
+        raise
+    finally:
+        _depth.n = level
+    elapsed = time.perf_counter() - t0
+    if log_ops:
+        log.info("%s%s  %s -> %s  %.3f ms", "  " * level, name, _describe(_tensors((args, kwargs))),
+                 _describe(outs), elapsed * 1e3)
+    if check_nans and level == 0:
+        _check_finite(name, args, kwargs, outs, arrays)
+    return result
+
+
+def _array_of(t):
+    try:
+        return storage.read(t)
+    except Exception:  # noqa: BLE001 - e.g. a tensor whose storage is not pjrt-backed yet
+        return None
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors(v)]
+    return []
+
+
+def _describe(tensors):
+    return "(" + ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors) + ")"
+
+
+def _all_finite(a) -> bool:
+    if not jnp.issubdtype(a.dtype, jnp.inexact):
+        return True
+    return bool(_finite(a))
+
+
+@jax.jit
+def _finite(a):
+    return jnp.isfinite(a).all()
+
+
+def _check_finite(name, args, kwargs, outs, arrays):
+    """Name the op that *produced* a NaN/Inf: one whose inputs were all finite."""
+    bad = [i for i, a in enumerate(arrays) if a is not None and not _all_finite(a)]
+    if not bad:
+        return
+    for v in _tensors((args, kwargs)):
+        if v.device.type == "pjrt":
+            a = _array_of(v)
+            if a is not None and not _all_finite(a):
+                return  # the NaN/Inf came in; the op that made it was already reported
+    for v in list(args) + list(kwargs.values()):
+        if isinstance(v, float) and not np.isfinite(v):
+            return  # an explicit inf/nan scalar (masked_fill(mask, -inf))
+    i = bad[0]
+    raise RuntimeError(
+        f"torchpjrt: {name} produced NaN/Inf in output {i} ({_describe([outs[i]])[1:-1]}) from finite "
+        f"inputs, called from {user_frame()} (TORCHPJRT_CHECK_NANS=1)"
+    )

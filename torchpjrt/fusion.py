@@ -1,0 +1,298 @@
+"""Fused eager execution: ops are recorded into a pending graph and run as one XLA program.
+
+Every device computation of the eager path goes through `call(fn, *args)`, where `fn` is a
+jitted JAX function (an op's lowering, a strided read or write, a cast). In strict and debug
+mode `call` runs it at once. In fused mode it appends a node to the pending graph and returns
+`Pending` placeholders that know only their shape and dtype; storages hold them like arrays.
+
+At an observation point (a host read, `.item()`, `torch.pjrt.synchronize()`, the end of an
+optimizer step, a data-dependent op, a mode change, or the size cap) `flush` turns the pending
+graph into one function, jits it, and runs it. Only the values still referenced (by a storage
+or by Python) become outputs: temporaries that died stay inside the program, where XLA fuses
+them away. Compiled graphs are cached by structure (the node functions, their wiring and
+which values survive), so a training loop compiles in its first steps and then hits the cache.
+"""
+
+import threading
+import time
+import weakref
+from collections import Counter, OrderedDict
+
+import jax
+import numpy as np
+import torch
+
+stats = Counter()  # shown by torchpjrt.eager_stats()
+flush_reasons = Counter()
+
+_lock = threading.RLock()
+_recording = False
+max_ops = 4096  # pending graph size that forces a flush
+cache_size = 512  # compiled graphs kept (least recently used are dropped)
+
+
+class Pending:
+    """The not-yet-computed output of a recorded op: shape, dtype, and its graph slot."""
+
+    __slots__ = ("shape", "dtype", "weak_type", "graph", "slot", "value", "__weakref__")
+
+    def __init__(self, shape, dtype, weak_type, graph, slot):
+        self.shape = shape
+        self.dtype = dtype
+        self.weak_type = weak_type
+        self.graph = graph
+        self.slot = slot
+        self.value = None
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    @property
+    def size(self):
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def concrete(self):
+        if self.value is None:
+            flush("host_read")
+        return self.value
+
+    # Anything else (numpy conversion, a jax.Array method) needs the value: compute it.
+    def __array__(self, dtype=None, copy=None):
+        a = np.asarray(self.concrete())
+        return a if dtype is None else a.astype(dtype)
+
+    def __jax_array__(self):
+        return self.concrete()
+
+    def __bool__(self):
+        return bool(self.concrete())
+
+    def __getattr__(self, name):
+        return getattr(self.concrete(), name)
+
+    def __repr__(self):
+        state = "computed" if self.value is not None else "pending"
+        return f"Pending({state}, shape={self.shape}, dtype={self.dtype})"
+
+
+def concrete(x):
+    """`x` as a jax.Array, running the pending graph if `x` is one of its values."""
+    if type(x) is Pending:
+        return x.concrete()
+    return x
+
+
+def concrete_tree(tree):
+    if not _has_pending(tree):
+        return tree
+    flush("data_dependent_op")
+    return jax.tree_util.tree_map(lambda x: x.value if type(x) is Pending else x, tree)
+
+
+def _has_pending(tree):
+    return any(type(x) is Pending for x in jax.tree_util.tree_leaves(tree))
+
+
+class _Graph:
+    __slots__ = ("nodes", "inputs", "input_slots", "input_ids", "outputs", "storages", "n_slots", "task")
+
+    def __init__(self, task=-1):
+        self.nodes = []  # (fn, treedef, input slots, first output slot); also the cache key
+        self.inputs = []  # concrete values (jax arrays, numpy arrays, Python scalars)
+        self.input_slots = []
+        self.input_ids = {}  # id(array) -> slot, so an array used twice is one input
+        self.outputs = []  # weakrefs to this graph's Pendings
+        self.storages = []  # weakrefs to storages that were given a Pending
+        self.n_slots = 0
+        self.task = task  # autograd graph task recording into this graph (-1: none)
+
+
+_graph = _Graph()
+_out_avals = {}  # (fn, treedef, input signature) -> (out treedef, [(shape, dtype, weak_type)])
+_compiled = OrderedDict()  # structure -> jitted replay
+_current_task = torch._C._current_graph_task_id
+
+
+def recording() -> bool:
+    return _recording
+
+
+def set_recording(on: bool) -> None:
+    global _recording
+    with _lock:
+        if not on:
+            flush("mode_change")
+        _recording = on
+
+
+def call(fn, *args):
+    """Run jitted `fn` now (strict, debug) or record it into the pending graph (fused)."""
+    if not _recording:
+        return fn(*args)
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    sig = tuple(_signature_of(x) for x in leaves)
+    entry = _out_avals.get((fn, treedef, sig))
+    if entry is None:
+        entry = _out_avals[(fn, treedef, sig)] = _eval_shape(fn, treedef, leaves, sig)
+    return _add_node(fn, treedef, leaves, entry)
+
+
+def record_keyed(avals_cache, key, fn, args):
+    """`call` for a caller whose `key` already fixes the argument shapes and dtypes."""
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    entry = avals_cache.get(key)
+    if entry is None:
+        sig = tuple(_signature_of(x) for x in leaves)
+        entry = _out_avals.get((fn, treedef, sig))
+        if entry is None:
+            entry = _out_avals[(fn, treedef, sig)] = _eval_shape(fn, treedef, leaves, sig)
+        avals_cache[key] = entry
+    return _add_node(fn, treedef, leaves, entry)
+
+
+def _signature_of(x):
+    t = type(x)
+    if t is Pending:
+        if x.value is not None:
+            x = x.value
+        else:
+            return (x.shape, x.dtype, x.weak_type)
+    if isinstance(x, jax.Array):
+        return (x.shape, x.dtype, x.weak_type)
+    if t is np.ndarray:
+        return (x.shape, x.dtype, False)
+    return t
+
+
+def _eval_shape(fn, treedef, leaves, sig):
+    abstract = [
+        jax.ShapeDtypeStruct(s[0], s[1], weak_type=s[2]) if isinstance(s, tuple) else x
+        for x, s in zip(leaves, sig)
+    ]
+    out = jax.eval_shape(fn, *jax.tree_util.tree_unflatten(treedef, abstract))
+    avals, out_treedef = jax.tree_util.tree_flatten(out)
+    return out_treedef, [(a.shape, a.dtype, a.weak_type) for a in avals]
+
+
+def _add_node(fn, treedef, leaves, entry):
+    out_treedef, avals = entry
+    with _lock:
+        g = _graph
+        task = _current_task()
+        if task != g.task:
+            if task >= 0 and g.nodes:
+                # a backward pass starts: run the forward now, so that it computes while
+                # the backward is recorded (and `loss.item()` waits for the forward only)
+                flush("backward")
+                g = _graph
+            g.task = task
+        refs = []
+        for x in leaves:
+            if x.__class__ is Pending:
+                if x.graph is g and x.value is None:
+                    refs.append(x.slot)
+                    continue
+                x = x.value  # computed by an earlier flush
+            if isinstance(x, jax.Array):
+                slot = g.input_ids.get(id(x))
+                if slot is None:
+                    slot = g.input_ids[id(x)] = g.n_slots
+                    g.n_slots += 1
+                    g.inputs.append(x)
+                    g.input_slots.append(slot)
+            else:
+                slot = g.n_slots
+                g.n_slots += 1
+                g.inputs.append(x)
+                g.input_slots.append(slot)
+            refs.append(slot)
+        first = g.n_slots
+        g.n_slots += len(avals)
+        g.nodes.append((fn, treedef, tuple(refs), first))
+        pendings = [Pending(a[0], a[1], a[2], g, first + i) for i, a in enumerate(avals)]
+        g.outputs.extend([weakref.ref(p) for p in pendings])
+        stats["ops_recorded"] += 1
+        full = len(g.nodes) >= max_ops
+    if full:
+        flush("max_ops")
+    return jax.tree_util.tree_unflatten(out_treedef, pendings)
+
+
+def track(storage) -> None:
+    """A storage now holds a Pending: give it the computed array at the next flush."""
+    with _lock:
+        _graph.storages.append(weakref.ref(storage))
+
+
+def flush(reason: str) -> None:
+    """Compile (or fetch from the cache) and run the pending graph; resolve its values."""
+    global _graph
+    with _lock:
+        g = _graph
+        if not g.nodes:
+            return
+        _graph = _Graph()
+        alive = [p for p in (ref() for ref in g.outputs) if p is not None]
+        out_slots = tuple(p.slot for p in alive)
+        key = (tuple(g.nodes), tuple(g.input_slots), out_slots)
+        replay = _compiled.get(key)
+        if replay is None:
+            stats["cache_misses"] += 1
+            replay = _compiled[key] = _make_replay(g.nodes, g.input_slots, out_slots, g.n_slots)
+            if len(_compiled) > cache_size:
+                _compiled.popitem(last=False)
+        else:
+            stats["cache_hits"] += 1
+            _compiled.move_to_end(key)
+        traced = stats["graphs_compiled"]
+        t0 = time.perf_counter()
+        try:
+            results = replay(*g.inputs)
+        finally:
+            if stats["graphs_compiled"] != traced:
+                stats["compile_seconds"] += time.perf_counter() - t0
+        for p, r in zip(alive, results):
+            if r.dtype != p.dtype or r.shape != p.shape:
+                raise RuntimeError(
+                    f"torchpjrt (fused mode): a recorded value was computed as {r.dtype}{list(r.shape)} "
+                    f"but announced as {p.dtype}{list(p.shape)} (internal error)"
+                )
+            p.value = r
+        for ref in g.storages:
+            st = ref()
+            if st is not None and type(st.array) is Pending and st.array.value is not None:
+                st.array = st.array.value
+        stats["flushes"] += 1
+        stats["ops_flushed"] += len(g.nodes)
+        flush_reasons[reason] += 1
+
+
+def _make_replay(nodes, input_slots, out_slots, n_slots):
+    unflatten = jax.tree_util.tree_unflatten
+    leaves_of = jax.tree_util.tree_leaves
+
+    def replay(*inputs):
+        stats["graphs_compiled"] += 1  # runs when jax traces, i.e. once per new input signature
+        env = [None] * n_slots
+        for slot, v in zip(input_slots, inputs):
+            env[slot] = v
+        for fn, treedef, refs, first in nodes:
+            result = fn(*unflatten(treedef, [env[r] for r in refs]))
+            for i, v in enumerate(leaves_of(result)):
+                env[first + i] = v
+        return [env[s] for s in out_slots]
+
+    return jax.jit(replay)
+
+
+def pending_ops() -> int:
+    return len(_graph.nodes)
+
+
+def reset_stats() -> None:
+    stats.clear()
+    flush_reasons.clear()
