@@ -1,0 +1,324 @@
+"""The three eager modes: selection, fused-mode flush triggers and caching, debug-mode checks."""
+
+import gc
+import logging
+import os
+import subprocess
+import sys
+import threading
+import traceback
+
+import jax
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torchpjrt
+from torchpjrt import fusion
+
+DEV = "pjrt"
+
+
+@pytest.fixture(autouse=True)
+def _back_to_strict():
+    torchpjrt.set_eager_mode("strict")
+    yield
+    torchpjrt.set_eager_mode("strict", max_ops=4096, check_nans=False, log_ops=False)
+
+
+def flushes(reason=None):
+    if reason is None:  # any reason
+        return torchpjrt.eager_stats()["flushes"]
+    return torchpjrt.eager_stats()["flush_reasons"].get(reason, 0)
+
+
+# ---- choosing a mode ---------------------------------------------------------------------
+
+
+def test_set_get_and_context_manager():
+    assert torchpjrt.get_eager_mode() == "strict"
+    torchpjrt.set_eager_mode("fused")
+    assert torchpjrt.get_eager_mode() == "fused"
+    with pytest.raises(RuntimeError):
+        with torchpjrt.eager_mode("debug"):
+            assert torchpjrt.get_eager_mode() == "debug"
+            raise RuntimeError("inside")
+    assert torchpjrt.get_eager_mode() == "fused"
+
+
+def test_unknown_mode_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown eager mode 'lazy'.*strict, debug, fused"):
+        torchpjrt.set_eager_mode("lazy")
+    with pytest.raises(ValueError, match="max_ops"):
+        torchpjrt.set_eager_mode("fused", max_ops=0)
+
+
+def _python(code, **env):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env})
+
+
+def test_environment_variable_selects_the_mode():
+    ok = _python("import torchpjrt; print(torchpjrt.get_eager_mode())", TORCHPJRT_EAGER_MODE="fused")
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.strip() == "fused"
+    bad = _python("import torchpjrt", TORCHPJRT_EAGER_MODE="fast")
+    assert bad.returncode != 0
+    assert "TORCHPJRT_EAGER_MODE='fast'" in bad.stderr
+
+
+# ---- fused mode ------------------------------------------------------------------------------
+
+
+def test_fused_records_until_a_value_is_observed():
+    torchpjrt.set_eager_mode("fused")
+    x = torch.arange(6.0, device=DEV)
+    y = (x * 2 + 1).exp().log() - 1
+    assert torchpjrt.eager_stats()["ops_pending"] >= 4
+    before = flushes("host_read")
+    assert y.cpu().tolist() == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
+    assert flushes("host_read") == before + 1
+    assert torchpjrt.eager_stats()["ops_pending"] == 0
+
+
+def _observations():
+    x = torch.arange(1.0, 5.0, device=DEV)
+    model = nn.Linear(4, 1).to(DEV)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return {
+        "item": lambda: (x * 3).sum().item(),
+        "bool": lambda: bool((x * 3).sum() > 0),
+        "equal": lambda: torch.equal(x * 1, x),
+        "print": lambda: print(x * 3),
+        "cpu": lambda: (x * 3).cpu(),
+        "numpy": lambda: (x * 3).cpu().numpy(),
+        "synchronize": lambda: ((x * 3), torch.pjrt.synchronize()),
+        "data_dependent": lambda: torch.nonzero(x > 2),
+        "optimizer_step": lambda: (model(x).sum().backward(), opt.step()),
+        "backward": lambda: model(x).sum().backward(),
+    }
+
+
+REASONS = {"item": "item", "bool": "item", "equal": "item", "print": None, "cpu": "host_read",
+           "numpy": "host_read", "synchronize": "synchronize", "data_dependent": "data_dependent_op",
+           "optimizer_step": "optimizer_step", "backward": "backward"}
+
+
+@pytest.mark.parametrize("observation", list(REASONS))
+def test_each_observation_point_flushes(observation):
+    torchpjrt.set_eager_mode("fused")
+    act = _observations()[observation]
+    before = flushes(REASONS[observation])
+    act()
+    assert flushes(REASONS[observation]) > before
+
+
+def test_size_cap_and_mode_change_flush():
+    torchpjrt.set_eager_mode("fused", max_ops=5)
+    x = torch.ones(3, device=DEV)
+    torch.pjrt.synchronize()
+    before = flushes("max_ops")
+    for _ in range(12):
+        x = x + 1
+    assert flushes("max_ops") == before + 2
+    assert torchpjrt.eager_stats()["ops_pending"] == 2
+    before = flushes("mode_change")
+    torchpjrt.set_eager_mode("strict")
+    assert flushes("mode_change") == before + 1
+    assert torchpjrt.eager_stats()["ops_pending"] == 0
+    assert x.cpu().tolist() == [13.0, 13.0, 13.0]
+
+
+def test_print_inside_a_fused_region_shows_the_value(capsys):
+    x = torch.arange(4.0, device=DEV)
+    with torchpjrt.eager_mode("fused"):
+        y = x * 10
+        print(y)
+        y.add_(1)
+        print(y[1:])
+    out = capsys.readouterr().out
+    assert "tensor([ 0., 10., 20., 30.], device='pjrt:0')" in out
+    assert "tensor([11., 21., 31.], device='pjrt:0')" in out
+
+
+def test_an_error_in_a_fused_region_surfaces_at_the_op():
+    torchpjrt.set_eager_mode("fused")
+    a = torch.ones(3, device=DEV)
+    b = torch.ones(4, device=DEV)
+    c = a * 2
+    with pytest.raises(RuntimeError, match="broadcast|must match") as info:
+        a + b  # noqa: B018  (the failing op)
+    frames = traceback.extract_tb(info.value.__traceback__)
+    assert frames[0].name == "test_an_error_in_a_fused_region_surfaces_at_the_op"
+    assert frames[0].line.startswith("a + b")
+    assert c.cpu().tolist() == [2.0, 2.0, 2.0]  # the region before the error is intact
+
+
+def test_views_inplace_and_autograd_match_strict():
+    def program():
+        torch.manual_seed(0)
+        w = torch.randn(4, 5, device=DEV, requires_grad=True)
+        base = torch.zeros(6, 5, device=DEV)
+        view = base[1:5]
+        view.copy_(w * 2)
+        base[0].add_(1.5)
+        base.t()[2].mul_(3)
+        loss = (base.sin() * base).sum() + view.pow(2).mean()
+        loss.backward()
+        return base.cpu(), w.grad.cpu(), loss.item()
+
+    strict = program()
+    with torchpjrt.eager_mode("fused"):
+        fused = program()
+    for s, f in zip(strict, fused):
+        torch.testing.assert_close(f, s, rtol=1e-6, atol=1e-6)
+
+
+class _MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def _train(steps, opt_cls=torch.optim.AdamW, after_step=None):
+    torch.manual_seed(0)
+    model = _MLP().to(DEV)
+    opt = opt_cls(model.parameters(), lr=1e-2)
+    x, y = torch.randn(8, 16).to(DEV), torch.randint(0, 4, (8,)).to(DEV)
+    losses = []
+    for i in range(steps):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if after_step:
+            after_step(i)
+    return losses
+
+
+def test_fused_training_matches_strict_and_compiles_only_in_the_first_steps():
+    strict = _train(6)
+    compiled_after = {}
+    with torchpjrt.eager_mode("fused"):
+        fused = _train(6, after_step=lambda i: compiled_after.__setitem__(i, torchpjrt.eager_stats()["graphs_compiled"]))
+    torch.testing.assert_close(fused, strict, rtol=1e-5, atol=1e-6)
+    # AdamW's first step creates its state; from the second step on the same graphs run again
+    assert compiled_after[5] == compiled_after[1], compiled_after
+    with torchpjrt.eager_mode("fused"):
+        sgd = {}
+        _train(3, torch.optim.SGD, after_step=lambda i: sgd.__setitem__(i, torchpjrt.eager_stats()["graphs_compiled"]))
+    assert sgd[2] == sgd[0], sgd  # plain SGD: the second step compiles nothing
+
+
+def test_a_long_fused_loop_has_flat_memory():
+    torchpjrt.set_eager_mode("fused")
+    torch.manual_seed(0)
+    model = _MLP().to(DEV)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    x, y = torch.randn(8, 16).to(DEV), torch.randint(0, 4, (8,)).to(DEV)
+
+    def step():
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    def snapshot():
+        gc.collect()
+        return len(jax.live_arrays()), torchpjrt.eager_stats()["cached_graphs"], len(fusion._out_avals)
+
+    for _ in range(20):
+        step()
+    early = snapshot()
+    for _ in range(1000):
+        step()
+    late = snapshot()
+    assert late == early
+    assert torchpjrt.eager_stats()["ops_pending"] == 0  # the optimizer step ended every graph
+
+
+def test_compiled_function_inside_a_fused_region():
+    model = _MLP().to(DEV)
+    x = torch.randn(8, 16).to(DEV)
+    compiled = torch.compile(model, backend="pjrt")
+    expected = model(x).cpu()
+    with torchpjrt.eager_mode("fused"):
+        got = (compiled(x) * 1).cpu()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_two_threads_record_concurrently():
+    torchpjrt.set_eager_mode("fused")
+    results, errors = {}, []
+
+    def work(k):
+        try:
+            x = torch.full((64,), float(k), device=DEV)
+            for _ in range(200):
+                x = x * 1.0 + 1
+            results[k] = x.cpu()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for k in range(2):
+        assert results[k].eq(k + 200).all()
+
+
+# ---- debug mode ------------------------------------------------------------------------------
+
+
+def test_debug_mode_runs_each_op_to_completion():
+    from torchpjrt import storage
+
+    torchpjrt.set_eager_mode("debug")
+    y = torch.randn(256, 256, device=DEV) @ torch.randn(256, 256, device=DEV)
+    assert storage.read(y).is_ready()
+
+
+def test_debug_errors_name_the_op_and_the_user_line():
+    torchpjrt.set_eager_mode("debug")
+    a, b = torch.ones(3, device=DEV), torch.ones(4, device=DEV)
+    with pytest.raises(RuntimeError) as info:
+        a + b  # noqa: B018
+    note = "\n".join(getattr(info.value, "__notes__", []))
+    assert "aten::add.Tensor" in note
+    assert f"{__file__}:" in note and "test_debug_errors_name_the_op_and_the_user_line" in note
+
+
+def test_debug_nan_check_names_the_op_that_produced_it():
+    torchpjrt.set_eager_mode("debug", check_nans=True)
+    x = torch.tensor([1.0, -1.0], device=DEV)
+    with pytest.raises(RuntimeError, match="aten::log.default produced NaN/Inf.*test_eager_modes.py"):
+        torch.log(x)
+    # an explicit -inf (attention masks) is not an error, nor is passing it along
+    masked = torch.zeros(2, device=DEV).masked_fill(x < 0, float("-inf"))
+    assert masked.softmax(0).cpu().tolist() == [1.0, 0.0]
+    torchpjrt.set_eager_mode("strict")
+    assert torch.log(x).isnan().any().item()  # strict mode does not check
+
+
+def test_debug_op_log(caplog):
+    torchpjrt.set_eager_mode("debug", log_ops=True)
+    a = torch.ones(2, 3, device=DEV)
+    with caplog.at_level(logging.INFO, logger="torchpjrt.ops"):
+        a + a  # noqa: B018
+    line = next(r.getMessage() for r in caplog.records if "aten::add.Tensor" in r.getMessage())
+    assert "(float32[2, 3], float32[2, 3]) -> (float32[2, 3])" in line
+    assert line.endswith(" ms")
+
+
+def test_eager_stats_reports_what_the_issue_names():
+    stats = torchpjrt.eager_stats()
+    for key in ("mode", "ops_dispatched", "graphs_compiled", "cache_hits", "cache_misses", "compile_seconds",
+                "flush_reasons"):
+        assert key in stats
