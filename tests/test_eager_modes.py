@@ -63,6 +63,8 @@ def test_environment_variable_selects_the_mode():
     ok = _python("import torchpjrt; print(torchpjrt.get_eager_mode())", TORCHPJRT_EAGER_MODE="fused")
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.strip() == "fused"
+    cap = _python("import torchpjrt; from torchpjrt import fusion; print(fusion.max_ops)", TORCHPJRT_FUSED_MAX_OPS="64")
+    assert cap.stdout.strip() == "64", cap.stderr
     bad = _python("import torchpjrt", TORCHPJRT_EAGER_MODE="fast")
     assert bad.returncode != 0
     assert "TORCHPJRT_EAGER_MODE='fast'" in bad.stderr
@@ -213,6 +215,20 @@ def test_fused_training_matches_strict_and_compiles_only_in_the_first_steps():
         sgd = {}
         _train(3, torch.optim.SGD, after_step=lambda i: sgd.__setitem__(i, torchpjrt.eager_stats()["graphs_compiled"]))
     assert sgd[2] == sgd[0], sgd  # plain SGD: the second step compiles nothing
+
+
+def test_an_inference_loop_compiles_once():
+    torchpjrt.set_eager_mode("fused", max_ops=50)  # a cap that would cut mid-iteration
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(DEV).eval()
+    inputs = [torch.randn(2, 8) for _ in range(30)]
+    with torch.no_grad():
+        expected = [model.cpu()(x) for x in inputs]
+        model.to(DEV)
+        compiled, capped = torchpjrt.eager_stats()["graphs_compiled"], flushes("max_ops")
+        outs = [model(x.to(DEV)) for x in inputs]
+        assert torchpjrt.eager_stats()["graphs_compiled"] == compiled + 1  # cut where each call ends
+        assert flushes("max_ops") == capped
+    torch.testing.assert_close(torch.stack(outs).cpu(), torch.stack(expected), rtol=1e-5, atol=1e-6)
 
 
 def test_a_long_fused_loop_has_flat_memory():

@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +60,7 @@ def set_eager_mode(mode: str, *, max_ops: int = None, check_nans: bool = None, l
     _set_debug_options(check_nans, log_ops)
     with _lock:
         fusion.set_recording(mode == "fused")  # leaving fused mode runs what is pending
+        _module_boundaries(mode == "fused")
         debug_enabled = mode == "debug"
         _mode = mode
 
@@ -118,11 +120,50 @@ def install() -> None:
 
     register_optimizer_step_post_hook(_after_optimizer_step)
     _set_debug_options(_env_flag("TORCHPJRT_CHECK_NANS"), _env_flag("TORCHPJRT_LOG_OPS"))
+    cap = os.environ.get("TORCHPJRT_FUSED_MAX_OPS")
+    if cap:
+        if not cap.isdigit() or int(cap) < 1:
+            raise ValueError(f"torchpjrt: TORCHPJRT_FUSED_MAX_OPS={cap!r}; expected a positive integer")
+        fusion.max_ops = int(cap)
     mode = os.environ.get("TORCHPJRT_EAGER_MODE")
     if mode:
         if mode not in MODES:
             raise ValueError(f"torchpjrt: TORCHPJRT_EAGER_MODE={mode!r}; expected one of {', '.join(MODES)}")
         set_eager_mode(mode)
+
+
+_module_hooks = []
+_module_depth = threading.local()
+
+
+def _module_boundaries(on):
+    """In fused mode, the end of an inference call of a top-level module ends a graph.
+
+    Training steps are cut by backward() and the optimizer step; an inference loop has neither,
+    and without this cut its graphs would be cut only by the size cap, at a different op in
+    each iteration, so every graph would be new and compile again.
+    """
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    if on and not _module_hooks:
+        # these hooks only count depth, so torch.compile's warning about global hooks firing
+        # twice for a compiled module does not apply
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+        _module_hooks.append(register_module_forward_pre_hook(_enter_module))
+        _module_hooks.append(register_module_forward_hook(_exit_module, always_call=True))
+    elif not on:
+        while _module_hooks:
+            _module_hooks.pop().remove()
+
+
+def _enter_module(module, args):
+    _module_depth.n = getattr(_module_depth, "n", 0) + 1
+
+
+def _exit_module(module, args, output):
+    _module_depth.n = depth = getattr(_module_depth, "n", 1) - 1
+    if depth == 0 and (not module.training or not torch.is_grad_enabled()) and fusion.recording():
+        fusion.flush("module_call")
 
 
 def _after_optimizer_step(optimizer, args, kwargs):
