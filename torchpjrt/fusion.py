@@ -29,6 +29,7 @@ _lock = threading.RLock()
 _recording = False
 max_ops = 4096  # pending graph size that forces a flush
 cache_size = 512  # compiled graphs kept (least recently used are dropped)
+cut_at_backward = True
 
 
 class Pending:
@@ -184,7 +185,7 @@ def _add_node(fn, treedef, leaves, entry):
         g = _graph
         task = _current_task()
         if task != g.task:
-            if task >= 0 and g.nodes:
+            if task >= 0 and g.nodes and cut_at_backward:
                 # a backward pass starts: run the forward now, so that it computes while
                 # the backward is recorded (and `loss.item()` waits for the forward only)
                 flush("backward")

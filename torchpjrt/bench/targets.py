@@ -105,8 +105,6 @@ def _unavailable_reasons(torch, torchpjrt, cuda_names) -> dict:
         reasons["cuda"] = reasons["cuda-compile"] = "torch.cuda.is_available() is False"
     elif importlib.util.find_spec("triton") is None:
         reasons["cuda-compile"] = "triton is not installed (inductor needs it for CUDA)"
-    if not hasattr(torchpjrt, "set_eager_mode"):
-        reasons["pjrt-fused"] = "not implemented yet: torchpjrt has no set_eager_mode()"
     import torch._dynamo
 
     if "pjrt" not in torch._dynamo.list_backends():
