@@ -157,6 +157,26 @@ def test_an_error_in_a_fused_region_surfaces_at_the_op():
     assert c.cpu().tolist() == [2.0, 2.0, 2.0]  # the region before the error is intact
 
 
+def test_a_graph_that_fails_to_run_reports_it_at_every_later_use(monkeypatch):
+    def failing_replay(*args):
+        def run(*inputs):
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory while allocating")
+
+        return run
+
+    torchpjrt.set_eager_mode("fused")
+    x = torch.arange(5.0, device=DEV)
+    torch.pjrt.synchronize()
+    y = x * 7 + 3.25  # a structure no earlier test compiled
+    monkeypatch.setattr(fusion, "_make_replay", failing_replay)
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+        y.cpu()
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="value was never computed.*RESOURCE_EXHAUSTED"):
+        (y + 1).cpu()
+    assert (x + 1).cpu().tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]  # tensors computed before are intact
+
+
 def test_views_inplace_and_autograd_match_strict():
     def program():
         torch.manual_seed(0)

@@ -59,6 +59,8 @@ class Pending:
     def concrete(self):
         if self.value is None:
             flush("host_read")
+            if self.value is None:
+                self.graph.lost()
         return self.value
 
     # Anything else (numpy conversion, a jax.Array method) needs the value: compute it.
@@ -99,7 +101,7 @@ def _has_pending(tree):
 
 
 class _Graph:
-    __slots__ = ("nodes", "inputs", "input_slots", "input_ids", "outputs", "storages", "n_slots", "task")
+    __slots__ = ("nodes", "inputs", "input_slots", "input_ids", "outputs", "storages", "n_slots", "task", "error")
 
     def __init__(self, task=-1):
         self.nodes = []  # (fn, treedef, input slots, first output slot); also the cache key
@@ -110,6 +112,13 @@ class _Graph:
         self.storages = []  # weakrefs to storages that were given a Pending
         self.n_slots = 0
         self.task = task  # autograd graph task recording into this graph (-1: none)
+        self.error = None  # why running this graph failed, if it did
+
+    def lost(self):
+        raise RuntimeError(
+            "torchpjrt (fused mode): this tensor's value was never computed: running the graph "
+            f"that computes it failed ({self.error!r})"
+        ) from self.error
 
 
 _graph = _Graph()
@@ -197,6 +206,8 @@ def _add_node(fn, treedef, leaves, entry):
                 if x.graph is g and x.value is None:
                     refs.append(x.slot)
                     continue
+                if x.value is None:
+                    x.graph.lost()
                 x = x.value  # computed by an earlier flush
             if isinstance(x, jax.Array):
                 slot = g.input_ids.get(id(x))
@@ -253,6 +264,9 @@ def flush(reason: str) -> None:
         t0 = time.perf_counter()
         try:
             results = replay(*g.inputs)
+        except Exception as e:
+            g.error = e
+            raise
         finally:
             if stats["graphs_compiled"] != traced:
                 stats["compile_seconds"] += time.perf_counter() - t0
