@@ -40,3 +40,36 @@ def test_backend_is_found_without_importing_torchpjrt():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().endswith("6.0")
+
+
+CACHED_RUN = r"""
+import json, torch, torch.nn as nn, torchpjrt
+from torchpjrt.compile import compile_stats
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)).to("pjrt")
+step = torch.compile(lambda x: model(x).square().mean(), backend="pjrt")
+loss = step(torch.randn(4, 8, device="pjrt"))
+loss.backward()
+s = compile_stats()
+print(json.dumps({k: s[k] for k in ("persistent_cache_dir", "persistent_cache_hits", "persistent_cache_misses")}))
+"""
+
+
+def test_a_second_process_loads_compiled_programs_from_the_persistent_cache(tmp_path):
+    import json
+    import os
+
+    env = {**os.environ, "TORCHPJRT_CACHE_DIR": str(tmp_path / "cache")}
+    runs = []
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", CACHED_RUN], capture_output=True, text=True, timeout=300, env=env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    cold, warm = runs
+    assert cold["persistent_cache_dir"] == str(tmp_path / "cache")
+    assert cold["persistent_cache_hits"] == 0 and cold["persistent_cache_misses"] > 0
+    assert warm["persistent_cache_hits"] >= cold["persistent_cache_misses"]
+    assert warm["persistent_cache_misses"] == 0
+    off = subprocess.run([sys.executable, "-c", CACHED_RUN], capture_output=True, text=True, timeout=300,
+                         env={**env, "TORCHPJRT_CACHE_DIR": "off"})
+    assert json.loads(off.stdout.strip().splitlines()[-1])["persistent_cache_dir"] is None

@@ -8,6 +8,10 @@ from . import device as _device
 
 _device.register()
 
+from . import compile_cache as _compile_cache  # noqa: E402
+
+_compile_cache.configure()
+
 from . import dispatch as _dispatch  # noqa: E402
 
 _dispatch.register()
@@ -25,6 +29,7 @@ from . import eager as _eager  # noqa: E402
 _eager.install()
 
 from .dispatch import cpu_fallback_counts  # noqa: E402,F401
+from .stablehlo_export import ExportError, export, load_exported  # noqa: E402,F401
 from .kernels import kernel  # noqa: E402,F401
 from .eager import eager_mode, eager_stats, get_eager_mode, reset_eager_stats, set_eager_mode  # noqa: E402,F401
 
@@ -34,5 +39,5 @@ def op_stats() -> dict:
     return dict(_dispatch.stats)
 
 
-__all__ = ["op_stats", "cpu_fallback_counts", "kernel", "set_eager_mode", "get_eager_mode", "eager_mode",
+__all__ = ["op_stats", "cpu_fallback_counts", "kernel", "export", "load_exported", "ExportError", "set_eager_mode", "get_eager_mode", "eager_mode",
            "eager_stats", "reset_eager_stats"]

@@ -24,8 +24,17 @@ recompile_reasons = []
 
 
 def compile_stats() -> dict:
-    """Graphs compiled, eager fallbacks (with the ops that caused them), compile seconds."""
-    return {**stats, "eager_fallback_reasons": list(recompile_reasons)}
+    """Graphs compiled, eager fallbacks (with the ops that caused them), compile seconds, and
+    the persistent compilation cache's hits and misses (every XLA compile of the process)."""
+    from .. import compile_cache
+
+    return {
+        **stats,
+        "eager_fallback_reasons": list(recompile_reasons),
+        "persistent_cache_dir": compile_cache.directory(),
+        "persistent_cache_hits": compile_cache.stats["persistent_cache_hits"],
+        "persistent_cache_misses": compile_cache.stats["persistent_cache_misses"],
+    }
 
 
 @functools.lru_cache(maxsize=1)
