@@ -73,3 +73,96 @@ def test_a_second_process_loads_compiled_programs_from_the_persistent_cache(tmp_
     off = subprocess.run([sys.executable, "-c", CACHED_RUN], capture_output=True, text=True, timeout=300,
                          env={**env, "TORCHPJRT_CACHE_DIR": "off"})
     assert json.loads(off.stdout.strip().splitlines()[-1])["persistent_cache_dir"] is None
+
+
+def _compile_models():
+    torch.manual_seed(0)
+
+    class CNN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1, self.bn = nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+            self.conv2, self.fc = nn.Conv2d(8, 8, 3, stride=2), nn.Linear(8, 4)
+
+        def forward(self, x):
+            x = F.max_pool2d(F.relu(self.bn(self.conv1(x))), 2)
+            return self.fc(F.silu(self.conv2(x)).mean((2, 3)))
+
+    class Transformer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(50, 32)
+            layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+            self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+            self.head = nn.Linear(32, 4)
+
+        def forward(self, tokens):
+            return self.head(self.encoder(self.embed(tokens)).mean(1))
+
+    return {
+        "mlp": (nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 4)), torch.randn(16, 8)),
+        "cnn": (CNN(), torch.randn(4, 3, 12, 12)),
+        "transformer": (Transformer(), torch.randint(0, 50, (4, 10))),
+    }
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
+def test_compiled_outputs_and_gradients_match_eager_and_cpu(name):
+    torch._dynamo.reset()
+    model, x = _compile_models()[name]
+    y = torch.randint(0, 4, (x.shape[0],))
+    results = {}
+    for target in ("cpu", "eager", "compiled"):
+        m = copy.deepcopy(model)
+        dev = "cpu" if target == "cpu" else "pjrt"
+        m = m.to(dev)
+        run = torch.compile(m, backend="pjrt") if target == "compiled" else m
+        out = run(x.to(dev))
+        F.cross_entropy(out, y.to(dev)).backward()
+        results[target] = (out.detach().cpu(), [p.grad.cpu() for p in m.parameters()])
+    for target in ("eager", "compiled"):
+        out, grads = results[target]
+        torch.testing.assert_close(out, results["cpu"][0], rtol=1e-4, atol=1e-5)
+        for g, r in zip(grads, results["cpu"][1]):
+            torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+    assert compile_stats().get("eager_graphs", 0) == 0  # every graph became one XLA program
+
+
+def test_a_compiled_training_loop_matches_cpu_losses():
+    torch._dynamo.reset()
+    model, x = _compile_models()["cnn"]
+    y = torch.randint(0, 4, (x.shape[0],))
+
+    def train(m, dev, compiled):
+        m = m.to(dev)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        run = torch.compile(m, backend="pjrt") if compiled else m
+        losses = []
+        for _ in range(5):
+            opt.zero_grad()
+            loss = F.cross_entropy(run(x.to(dev)), y.to(dev))
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    reference = train(copy.deepcopy(model), "cpu", False)
+    compiled = train(copy.deepcopy(model), "pjrt", True)
+    torch.testing.assert_close(compiled, reference, rtol=1e-4, atol=0)
+
+
+def test_a_new_batch_size_recompiles_with_its_reason():
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)).to("pjrt")
+    run = torch.compile(model, backend="pjrt", dynamic=False)
+    run(torch.randn(4, 8, device="pjrt"))
+    before = compile_stats()
+    run(torch.randn(4, 8, device="pjrt"))
+    assert compile_stats()["graphs"] == before["graphs"]  # same shapes: cached
+    run(torch.randn(6, 8, device="pjrt"))
+    after = compile_stats()
+    assert after["recompiles"] == before.get("recompiles", 0) + 1
+    assert after["recompile_reasons"][-1] == "input 2: (4, 8) -> (6, 8)"

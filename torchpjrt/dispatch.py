@@ -660,14 +660,14 @@ def fallback(keyset, op, *args, **kwargs):
 
 
 def _classify(op):
-    if op in TABLE and not TABLE[op].view:
+    if op in TABLE and TABLE[op].eager:
         return _direct(make_functional_kernel(op, TABLE[op]))
     if torch.Tag.inplace_view in op.tags:
         return inplace_view_kernel
     if _is_view_op(op) or op in (aten._unsafe_view.default, aten.lift_fresh.default):
         return view_kernel
     functional = _functional_of(op)
-    if functional is not None and functional in TABLE and not TABLE[functional].view:
+    if functional is not None and functional in TABLE and TABLE[functional].eager:
         return _direct(derived_kernel(op, functional))
     return _slow_path
 
@@ -1080,7 +1080,7 @@ def register():
     for op in _inplace_view_ops():
         lib.impl(_qualname(op), _instrumented(op, _bound(inplace_view_kernel, op)), "PrivateUse1")
     for op, lowering in TABLE.items():
-        if lowering.view or _qualname(op) in SPECIAL_KERNELS:
+        if not lowering.eager or _qualname(op) in SPECIAL_KERNELS:
             continue
         if _is_composite_implicit(op):
             # a backend kernel would shadow the decomposition that carries autograd;

@@ -20,7 +20,9 @@ from ..ops import TABLE
 from . import graph as graph_mod
 
 stats = Counter()
+eager_fallback_reasons = []
 recompile_reasons = []
+_seen_graphs = {}  # graph code -> input shapes it was last compiled for
 
 
 def compile_stats() -> dict:
@@ -30,7 +32,8 @@ def compile_stats() -> dict:
 
     return {
         **stats,
-        "eager_fallback_reasons": list(recompile_reasons),
+        "eager_fallback_reasons": list(eager_fallback_reasons),
+        "recompile_reasons": list(recompile_reasons),
         "persistent_cache_dir": compile_cache.directory(),
         "persistent_cache_hits": compile_cache.stats["persistent_cache_hits"],
         "persistent_cache_misses": compile_cache.stats["persistent_cache_misses"],
@@ -46,16 +49,38 @@ def _decompositions():
     return {op: fn for op, fn in table.items() if op not in TABLE}
 
 
+def _shapes(example_inputs):
+    return [tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__ for a in example_inputs]
+
+
+def _note_recompile(gm, example_inputs):
+    """Dynamo hands us the same graph again when its guards failed: say what changed."""
+    code, shapes = gm.code, _shapes(example_inputs)
+    before = _seen_graphs.get(code)
+    _seen_graphs[code] = shapes
+    if before is None:
+        return
+    stats["recompiles"] += 1
+    changed = [f"input {i}: {a} -> {b}" for i, (a, b) in enumerate(zip(before, shapes)) if a != b]
+    recompile_reasons.append("; ".join(changed) if changed else "guards failed with the same input shapes")
+
+
 def _compile_graph(gm: torch.fx.GraphModule, example_inputs):
     t0 = time.perf_counter()
+    _note_recompile(gm, example_inputs)
     try:
         fn = graph_mod.to_jax_function(gm)
     except graph_mod.UnsupportedGraph as e:
         stats["eager_graphs"] += 1
-        recompile_reasons.append(f"ops without lowering: {e}")
+        eager_fallback_reasons.append(f"ops without lowering: {e}")
         warnings.warn(f"torchpjrt: running a compiled graph eagerly on pjrt (ops without lowering: {e})")
         return _eager(gm)
-    jitted = jax.jit(fn)
+
+    def traced(*args):
+        stats["xla_compiles"] += 1  # runs when jax traces: once per input signature
+        return fn(*args)
+
+    jitted = jax.jit(traced)
     random = graph_mod.uses_random(gm)
     stats["graphs"] += 1
     stats["compile_seconds"] += time.perf_counter() - t0
@@ -63,7 +88,10 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs):
     def run(*args):
         seed_offset = random_state.next_seed_offset() if random else _NO_SEED
         arrays = [_input(a) for a in args]
+        before, start = stats["xla_compiles"], time.perf_counter()
         outs = fusion.call(jitted, seed_offset, *arrays)
+        if stats["xla_compiles"] != before:
+            stats["compile_seconds"] += time.perf_counter() - start
         stats["calls"] += 1
         return [storage.wrap(o) if hasattr(o, "shape") and hasattr(o, "dtype") else o for o in outs]
 

@@ -19,6 +19,8 @@ Options:
   view=True             a view op's value semantics, for graph paths (compile, fused).
                         Eager execution never uses these: eager views alias storage
                         through the generic view kernel in dispatch.py.
+  graph_only=True       used by compiled graphs only: eager execution keeps its own
+                        kernel (an eager result would need strides a value cannot carry).
 
 In-place (`add_`) and `out=` (`add.out`) overloads of a lowered op need no entry: the
 generic kernels in dispatch.py derive them.
@@ -41,19 +43,25 @@ class Lowering:
     mutates: tuple = ()
     dynamic_shape: bool = False
     view: bool = False
+    graph_only: bool = False
+
+    @property
+    def eager(self) -> bool:
+        """Whether eager execution runs this lowering (else it serves graph paths only)."""
+        return not (self.view or self.graph_only)
 
 
 TABLE: dict = {}
 
 
-def lower(*overloads, static=(), random=False, mutates=(), dynamic_shape=False, view=False):
+def lower(*overloads, static=(), random=False, mutates=(), dynamic_shape=False, view=False, graph_only=False):
     def register(fn):
         for op in overloads:
             if isinstance(op, torch._ops.OpOverloadPacket):
                 raise TypeError(f"lower() needs overloads, got the packet {op}")
             if op in TABLE:
                 raise ValueError(f"{op} is lowered twice")
-            TABLE[op] = Lowering(fn, frozenset(static), random, tuple(mutates), dynamic_shape, view)
+            TABLE[op] = Lowering(fn, frozenset(static), random, tuple(mutates), dynamic_shape, view, graph_only)
         return fn
 
     return register

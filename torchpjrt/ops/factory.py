@@ -30,6 +30,24 @@ def _is_int(jdtype):
     return jnp.issubdtype(jdtype, jnp.integer) or jdtype == jnp.bool_
 
 
+# Uninitialized memory in compiled graphs (AOTAutograd's backward allocates with
+# empty_permuted): zeros are one valid content. Eager keeps its lazily-zeroed storage and
+# PyTorch's strides.
+@lower(aten.empty.memory_format, graph_only=True)
+def empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return jnp.zeros(tuple(size), _default_float(dtype))
+
+
+@lower(aten.empty_permuted.default, graph_only=True)
+def empty_permuted(size, physical_layout, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.zeros(tuple(size), _default_float(dtype))
+
+
+@lower(aten.empty_strided.default, graph_only=True)
+def empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.zeros(tuple(size), _default_float(dtype))
+
+
 # The length depends on the values, so start/end/step are static.
 @lower(aten.arange.start_step, static=("start", "end", "step"))
 def arange(start, end, step=1, dtype=None, layout=None, device=None, pin_memory=None):
