@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import torch
 
-from .. import dtypes, random_state
+from .. import dtypes, fusion, random_state, storage
 from ..dispatch import SCALAR, TENSOR, TENSOR_LIST, signature
 from ..ops import TABLE
 
@@ -70,7 +70,7 @@ def to_jax_function(gm: torch.fx.GraphModule):
     for node in nodes:
         if node.op == "get_attr":
             value = getattr(gm, node.target)
-            constants[node.name] = value
+            constants[node.name] = _constant(value) if isinstance(value, torch.Tensor) else value
 
     def run(seed_offset, *inputs):
         env = {}
@@ -88,8 +88,7 @@ def to_jax_function(gm: torch.fx.GraphModule):
             if node.op == "placeholder":
                 env[node.name] = next(it)
             elif node.op == "get_attr":
-                c = constants[node.name]
-                env[node.name] = jax.numpy.asarray(dtypes.numpy_from_cpu_tensor(c)) if isinstance(c, torch.Tensor) else c
+                env[node.name] = constants[node.name]
             elif node.op == "call_function":
                 if node.target is operator.getitem:
                     container, index = node.args
@@ -120,6 +119,13 @@ def to_jax_function(gm: torch.fx.GraphModule):
         raise RuntimeError("graph has no output node")
 
     return run
+
+
+def _constant(t: torch.Tensor):
+    """A tensor the graph holds as an attribute (a lifted constant), CPU or pjrt, as an array."""
+    if t.device.type == "pjrt":
+        return fusion.concrete(storage.read(t))
+    return jax.numpy.asarray(dtypes.numpy_from_cpu_tensor(t.detach()))
 
 
 def _plain(v, kind):

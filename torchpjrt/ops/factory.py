@@ -48,6 +48,23 @@ def empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory
     return jnp.zeros(tuple(size), _default_float(dtype))
 
 
+# In eager execution these arrive decomposed (empty + fill_, clone); compiled graphs keep them.
+@lower(aten.full.default, graph_only=True)
+def full(size, fill_value, dtype=None, layout=None, device=None, pin_memory=None):
+    value = jnp.asarray(fill_value)
+    return jnp.full(tuple(size), value, dtypes.to_jax(dtype) if dtype is not None else value.dtype)
+
+
+@lower(aten.scalar_tensor.default, graph_only=True)
+def scalar_tensor(s, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.asarray(s, _default_float(dtype))
+
+
+@lower(aten.lift_fresh_copy.default, graph_only=True)
+def lift_fresh_copy(self):
+    return jnp.array(self, copy=True)
+
+
 # The length depends on the values, so start/end/step are static.
 @lower(aten.arange.start_step, static=("start", "end", "step"))
 def arange(start, end, step=1, dtype=None, layout=None, device=None, pin_memory=None):

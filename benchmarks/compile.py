@@ -1,0 +1,135 @@
+"""torch.compile(backend="pjrt") versus torch CPU eager and inductor, measured side by side.
+
+    python benchmarks/compile.py [--rounds 5] [--steps 5]
+
+Workload: a GPT-2-style language-model training step (transformers GPT2LMHeadModel with
+random weights: 4 layers, d_model 256, 4 heads, seq 128, batch 8, AdamW; forward and backward
+compiled, the optimizer step eager).
+
+1. Steady-state step time of pjrt compiled, torch CPU eager and inductor on the CPU, in one
+   process, rounds interleaved so machine drift hits all alike (medians).
+2. Cold compile: the first step of a fresh process (compilation included) for pjrt compiled
+   and inductor, each with an empty cache directory.
+3. Warm start: the same first step in a second fresh process that finds the persistent
+   compilation cache the cold one wrote, as a fraction of the cold time.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def build(device):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=4, n_embd=256, n_head=4, n_positions=128, vocab_size=4096,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2LMHeadModel(config).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, config.vocab_size, (8, 128)).to(device)
+    return model, opt, tokens
+
+
+def make_step(target):
+    import torch
+
+    device = "pjrt" if target == "pjrt-compile" else "cpu"
+    model, opt, tokens = build(device)
+    if target == "pjrt-compile":
+        forward = torch.compile(model, backend="pjrt")
+    elif target == "inductor":
+        forward = torch.compile(model)
+    else:
+        forward = model
+
+    def step():
+        opt.zero_grad()
+        loss = forward(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    return step
+
+
+def first_step_child(target):
+    """In a fresh process: seconds from the start of the step to its end (compile included)."""
+    start = time.perf_counter()
+    import torch  # noqa: F401
+
+    import torchpjrt  # noqa: F401
+
+    step = make_step(target)
+    t0 = time.perf_counter()
+    step()
+    t1 = time.perf_counter()
+    from torchpjrt.compile import compile_stats
+
+    stats = compile_stats()
+    print(json.dumps({"first_step": t1 - t0, "process": t1 - start,
+                      "cache_hits": stats["persistent_cache_hits"], "cache_misses": stats["persistent_cache_misses"]}))
+
+
+def run_child(target, env):
+    out = subprocess.run([sys.executable, __file__, "--child", target], capture_output=True, text=True, env=env,
+                         timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(f"{target} child failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        first_step_child(args.child)
+        return
+
+    import torch
+
+    import torchpjrt  # noqa: F401
+
+    targets = ("cpu", "inductor", "pjrt-compile")
+    steps = {t: make_step(t) for t in targets}
+    for t in targets:
+        for _ in range(2):
+            steps[t]()  # warm-up: compiles
+    times = {t: [] for t in targets}
+    for _ in range(args.rounds):
+        for t in targets:
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                steps[t]()
+            times[t].append((time.perf_counter() - t0) / args.steps)
+    med = {t: statistics.median(v) for t, v in times.items()}
+    print(f"platform: {torch.pjrt.platform()}; GPT-2-style step (4 layers, d_model 256, seq 128, batch 8, AdamW); "
+          f"medians of {args.rounds} interleaved rounds of {args.steps} steps")
+    for t in targets:
+        print(f"  {t:14s} {med[t] * 1e3:9.1f} ms/step   {med[t] / med['cpu']:5.2f}x torch CPU eager")
+    print(f"  pjrt compiled / inductor: {med['pjrt-compile'] / med['inductor']:.2f}x")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        base = {k: v for k, v in os.environ.items() if k not in ("TORCHPJRT_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
+        env = {**base, "TORCHPJRT_CACHE_DIR": os.path.join(tmp, "pjrt"), "TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "inductor")}
+        cold_inductor = run_child("inductor", env)
+        cold = run_child("pjrt-compile", env)
+        warm = run_child("pjrt-compile", env)
+    print("first step of a fresh process (compilation included):")
+    print(f"  inductor, cold cache     {cold_inductor['first_step']:7.2f} s")
+    print(f"  pjrt compiled, cold      {cold['first_step']:7.2f} s   ({cold['first_step'] / cold_inductor['first_step']:.2f}x inductor's cold)")
+    print(f"  pjrt compiled, warm      {warm['first_step']:7.2f} s   ({warm['first_step'] / cold['first_step']:.0%} of cold; "
+          f"{warm['cache_hits']} programs loaded from the persistent cache, {warm['cache_misses']} compiled)")
+
+
+if __name__ == "__main__":
+    main()
