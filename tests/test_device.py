@@ -1,5 +1,6 @@
 """The device itself: registration, torch.pjrt, errors for what is not supported."""
 
+import os
 import subprocess
 import sys
 import warnings
@@ -102,3 +103,18 @@ def test_op_stats_counts_paths():
     before = torchpjrt.op_stats().get("lowered", 0)
     torch.ones(3, device="pjrt") + 1
     assert torchpjrt.op_stats()["lowered"] > before
+
+
+def test_import_torch_alone_makes_pjrt_usable():
+    code = (
+        "import sys, torch\n"
+        "x = torch.ones(3, device='pjrt') * 2\n"
+        "print(x.sum().item(), torch.pjrt.is_available(), 'torchpjrt' in sys.modules)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["6.0", "True", "True"]
+    off = subprocess.run([sys.executable, "-c", "import sys, torch; print('torchpjrt' in sys.modules)"],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    assert off.stdout.strip() == "False", off.stderr[-2000:]
