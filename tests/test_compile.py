@@ -166,3 +166,11 @@ def test_a_new_batch_size_recompiles_with_its_reason():
     after = compile_stats()
     assert after["recompiles"] == before.get("recompiles", 0) + 1
     assert after["recompile_reasons"][-1] == "input 2: (4, 8) -> (6, 8)"
+
+
+def test_modes_are_accepted_and_unsupported_options_are_clear_errors():
+    torch._dynamo.reset()
+    x = torch.ones(3, device="pjrt")
+    assert torch.compile(lambda a: a * 2, backend="pjrt", mode="max-autotune")(x).cpu().tolist() == [2.0] * 3
+    with pytest.raises(Exception, match="options \\['donate'\\] are not supported by the pjrt backend yet"):
+        torch.compile(lambda a: a * 3, backend="pjrt", options={"donate": True})(x)

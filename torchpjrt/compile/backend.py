@@ -116,12 +116,24 @@ def _eager(gm):
     return make_boxed_func(run)
 
 
-def pjrt_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
+# torch.compile modes are inductor's tuning levels; XLA compiles every graph one way, so they
+# are accepted (code written for inductor runs unchanged) and change nothing.
+MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def pjrt_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, options=None):
     """The Dynamo backend registered as "pjrt"."""
     from torch._dynamo.backends.common import aot_autograd
 
     import torchpjrt  # noqa: F401  (the device must exist; entry points may load us first)
 
+    if mode not in MODES:
+        raise ValueError(f"torchpjrt: unknown torch.compile mode {mode!r}; expected one of {MODES[1:]}")
+    if options:
+        raise NotImplementedError(
+            f"torchpjrt: torch.compile options {sorted(options)} are not supported by the pjrt backend yet "
+            "(buffer donation and shape buckets are planned); call torch.compile without options"
+        )
     compiler = aot_autograd(fw_compiler=_compile_graph, bw_compiler=_compile_graph, decompositions=_decompositions())
     return compiler(gm, example_inputs)
 
