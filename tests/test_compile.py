@@ -174,3 +174,19 @@ def test_modes_are_accepted_and_unsupported_options_are_clear_errors():
     assert torch.compile(lambda a: a * 2, backend="pjrt", mode="max-autotune")(x).cpu().tolist() == [2.0] * 3
     with pytest.raises(Exception, match="options \\['donate'\\] are not supported by the pjrt backend yet"):
         torch.compile(lambda a: a * 3, backend="pjrt", options={"donate": True})(x)
+
+
+def test_dynamic_shapes_trace_once_and_compile_once_per_size():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    compiled = torch.compile(copy.deepcopy(model).to("pjrt"), backend="pjrt", dynamic=True)
+    before = compile_stats()
+    for batch in (3, 5, 7, 5):
+        x = torch.randn(batch, 8)
+        out = compiled(x.to("pjrt"))
+        out.sum().backward()
+        torch.testing.assert_close(out.detach().cpu(), model(x), rtol=1e-5, atol=1e-6)
+    after = compile_stats()
+    assert after["graphs"] - before.get("graphs", 0) == 2  # one forward and one backward graph
+    assert after["xla_compiles"] - before.get("xla_compiles", 0) == 6  # per size, not per call

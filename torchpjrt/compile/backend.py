@@ -80,20 +80,43 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs):
         stats["xla_compiles"] += 1  # runs when jax traces: once per input signature
         return fn(*args)
 
-    jitted = jax.jit(traced)
     random = graph_mod.uses_random(gm)
     stats["graphs"] += 1
     stats["compile_seconds"] += time.perf_counter() - t0
+    # dynamic=True graphs take sizes as SymInt inputs and may return sizes (saved for the
+    # backward): sizes are compiled in (one XLA program per size) and returned as ints
+    int_inputs = [i for i, e in enumerate(example_inputs) if isinstance(e, (int, torch.SymInt))]
+    int_outputs = {i for i, v in enumerate(graph_mod.output_values(gm)) if isinstance(v, (int, torch.SymInt))}
+    by_sizes = {}
+
+    def program_for(sizes):
+        jitted = by_sizes.get(sizes)
+        if jitted is None:
+            if not int_inputs:
+                jitted = jax.jit(traced)
+            else:
+                def with_sizes(seed_offset, *arrays):
+                    full = list(arrays)
+                    for i, v in zip(int_inputs, sizes):
+                        full.insert(i, v)
+                    return traced(seed_offset, *full)
+
+                jitted = jax.jit(with_sizes)
+            by_sizes[sizes] = jitted
+        return jitted
 
     def run(*args):
         seed_offset = random_state.next_seed_offset() if random else _NO_SEED
-        arrays = [_input(a) for a in args]
+        sizes = tuple(int(args[i]) for i in int_inputs)
+        arrays = [_input(a) for i, a in enumerate(args) if i not in int_inputs] if int_inputs else [_input(a) for a in args]
         before, start = stats["xla_compiles"], time.perf_counter()
-        outs = fusion.call(jitted, seed_offset, *arrays)
+        outs = fusion.call(program_for(sizes), seed_offset, *arrays)
         if stats["xla_compiles"] != before:
             stats["compile_seconds"] += time.perf_counter() - start
         stats["calls"] += 1
-        return [storage.wrap(o) if hasattr(o, "shape") and hasattr(o, "dtype") else o for o in outs]
+        return [int(fusion.concrete(o)) if i in int_outputs
+                else storage.wrap(o) if hasattr(o, "shape") and hasattr(o, "dtype") else o
+                for i, o in enumerate(outs)]
 
     return make_boxed_func(run)
 

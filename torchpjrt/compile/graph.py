@@ -60,6 +60,14 @@ def uses_random(gm) -> bool:
     )
 
 
+def output_values(gm: torch.fx.GraphModule):
+    """The example values (node.meta["val"]) of the graph's outputs, None where unknown."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    results = out.args[0]
+    flat = results if isinstance(results, (list, tuple)) else (results,)
+    return [r.meta.get("val") if isinstance(r, torch.fx.Node) else r for r in flat]
+
+
 def to_jax_function(gm: torch.fx.GraphModule):
     """f(seed_offset, *inputs) -> tuple of outputs, a pure function of JAX arrays."""
     missing = unsupported_ops(gm)
