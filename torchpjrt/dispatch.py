@@ -926,11 +926,7 @@ def k_local_scalar_dense(self):
     if self.numel() != 1:
         raise RuntimeError(f"a Tensor with {self.numel()} elements cannot be converted to Scalar")
     stats["host_read"] += 1
-    value = storage.read(self)
-    if type(value) is fusion.Pending:
-        fusion.flush("item")
-        value = value.value
-    return np.asarray(value).reshape(()).item()
+    return np.asarray(fusion.concrete(storage.read(self), "item")).reshape(()).item()
 
 
 def k_equal(self, other):
@@ -938,11 +934,7 @@ def k_equal(self, other):
         raise _device_error(other if other.device.type != "pjrt" else self)
     if self.shape != other.shape:
         return False
-    same = fusion.call(_array_equal, storage.read(self), storage.read(other))
-    if type(same) is fusion.Pending:
-        fusion.flush("item")
-        same = same.value
-    return bool(same)
+    return bool(fusion.concrete(fusion.call(_array_equal, storage.read(self), storage.read(other)), "item"))
 
 
 @jax.jit

@@ -56,9 +56,9 @@ class Pending:
             n *= s
         return n
 
-    def concrete(self):
+    def concrete(self, reason="host_read"):
         if self.value is None:
-            flush("host_read")
+            flush(reason)
             if self.value is None:
                 self.graph.lost()
         return self.value
@@ -82,10 +82,10 @@ class Pending:
         return f"Pending({state}, shape={self.shape}, dtype={self.dtype})"
 
 
-def concrete(x):
+def concrete(x, reason="host_read"):
     """`x` as a jax.Array, running the pending graph if `x` is one of its values."""
     if type(x) is Pending:
-        return x.concrete()
+        return x.concrete(reason)
     return x
 
 
