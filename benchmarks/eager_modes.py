@@ -21,25 +21,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchpjrt
+from eager_overhead import mlp_step_fn
 
 TARGETS = ("cpu", "debug", "strict", "fused")
 
 
 def mlp_workload(device):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 10)).to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x = torch.randn(128, 256).to(device)
-    y = torch.randint(0, 10, (128,)).to(device)
-
-    def step():
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss.item()
-
-    return step
+    step = mlp_step_fn(device)  # the foundation's MLP step, shared with eager_overhead.py
+    return lambda: step().item()
 
 
 class TinyLM(nn.Module):
