@@ -63,22 +63,29 @@ def test_int64_and_float64_are_kept():
     assert (d * 1e-5).cpu().item() == pytest.approx(1e-305)
 
 
+def _symmetric():
+    a = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+    return a @ a.T + torch.eye(4)
+
+
+# linalg.ldl_factor has no lowering (JAX has no Bunch-Kaufman factorization)
 def test_unsupported_op_names_the_overload():
-    x = torch.randn(3, 4, device="pjrt")
-    with pytest.raises(NotImplementedError, match=r"aten::_cdist_forward.*TORCHPJRT_CPU_FALLBACK=1"):
-        torch.cdist(x, x)
+    with pytest.raises(NotImplementedError, match=r"aten::linalg_ldl_factor_ex\.out.*TORCHPJRT_CPU_FALLBACK=1"):
+        torch.linalg.ldl_factor(_symmetric().to("pjrt"))
 
 
 def test_cpu_fallback_is_opt_in_warns_and_counts(monkeypatch):
     monkeypatch.setenv("TORCHPJRT_CPU_FALLBACK", "1")
-    x, y = torch.randn(3, 4), torch.randn(2, 4)
-    before = torchpjrt.cpu_fallback_counts["aten::_cdist_forward.default"]
+    name = "aten::linalg_ldl_factor_ex.out"
+    before = torchpjrt.cpu_fallback_counts[name]
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
-        out = torch.cdist(x.to("pjrt"), y.to("pjrt"))
-    assert out.device.type == "pjrt"
-    torch.testing.assert_close(out.cpu(), torch.cdist(x, y))
-    assert torchpjrt.cpu_fallback_counts["aten::_cdist_forward.default"] == before + 1
+        ld, pivots = torch.linalg.ldl_factor(_symmetric().to("pjrt"))
+    assert ld.device.type == "pjrt" and pivots.device.type == "pjrt"
+    expected_ld, expected_pivots = torch.linalg.ldl_factor(_symmetric())
+    torch.testing.assert_close(ld.cpu(), expected_ld)
+    assert pivots.cpu().tolist() == expected_pivots.tolist()
+    assert torchpjrt.cpu_fallback_counts[name] == before + 1
 
 
 def test_other_device_index_is_a_clear_error():
