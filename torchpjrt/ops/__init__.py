@@ -80,6 +80,8 @@ _FAMILIES = (
     "foreach",
     "views",
     "fft",
+    "special",
+    "distance",
 )
 
 
