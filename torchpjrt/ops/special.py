@@ -10,7 +10,6 @@ Loops whose length depends on the data (the polynomial degree `n`, Airy's series
 
 import math
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
