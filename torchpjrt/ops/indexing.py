@@ -9,6 +9,9 @@ unique, bincount) are registered with dynamic_shape=True: they see concrete arra
 what they must from the device, and hand the rest to jitted helpers.
 """
 
+import builtins
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -579,6 +582,103 @@ def _widen_empty_range(lo, hi, dtype):
     return jnp.where(same, down, lo), jnp.where(same, up, hi)
 
 
+# ---- histogram / histogramdd ------------------------------------------------------------------
+# Each column d of the (N, D) input is binned against its own edges. As CPU's kernel: values
+# outside [first edge, last edge] (and NaN) are skipped, a value in bin i satisfies
+# edges[i] <= x < edges[i+1], and the last edge belongs to the last bin.
+
+
+_builtin_range = builtins.range  # `range` is an argument name below
+
+
+def _cpu_linspace(lo, hi, steps, dtype):
+    # CPU's linspace: the step in the output dtype, the first half counted up from `lo` and the
+    # second half down from `hi`, so both ends are exact
+    lo, hi = jnp.asarray(lo).astype(dtype), jnp.asarray(hi).astype(dtype)
+    if steps == 1:
+        return lo[None]
+    step = (hi - lo) / jnp.asarray(steps - 1, dtype)
+    idx = jnp.arange(steps)
+    up = lo + step * idx.astype(dtype)
+    down = hi - step * (steps - idx - 1).astype(dtype)
+    return jnp.where(idx < steps // 2, up, down)
+
+
+def _histogramdd_edges(x, bins, range):
+    """Edges (one array per column of the (N, D) input) for bin counts."""
+    d = x.shape[1]
+    if isinstance(bins, int):
+        bins = [bins] * d
+    edges = []
+    for dim in _builtin_range(d):
+        if range is not None:
+            lo, hi = jnp.asarray(range[2 * dim], jnp.float64), jnp.asarray(range[2 * dim + 1], jnp.float64)
+        elif x.shape[0]:
+            lo, hi = jnp.min(x[:, dim]).astype(jnp.float64), jnp.max(x[:, dim]).astype(jnp.float64)
+        else:
+            lo, hi = jnp.asarray(0.0, jnp.float64), jnp.asarray(1.0, jnp.float64)
+        # an empty range widens by half a unit each way, as NumPy
+        same = lo == hi
+        lo, hi = jnp.where(same, lo - 0.5, lo), jnp.where(same, hi + 0.5, hi)
+        edges.append(_cpu_linspace(lo, hi, bins[dim] + 1, x.dtype))
+    return edges
+
+
+def _histogramdd_counts(x, edges, weight, density):
+    n, d = x.shape
+    shape = tuple(e.shape[0] - 1 for e in edges)
+    flat = jnp.zeros((n,), jnp.int64)
+    inside = jnp.ones((n,), bool)
+    for dim, e in enumerate(edges):
+        v = x[:, dim]
+        nb = e.shape[0] - 1
+        inside = inside & (v >= e[0]) & (v <= e[-1])
+        pos = jnp.searchsorted(e, v, side="right") - 1
+        pos = jnp.clip(jnp.where(pos == nb, nb - 1, pos), 0, max(nb - 1, 0))
+        flat = flat * nb + pos
+    total = math.prod(shape)
+    w = jnp.ones((n,), x.dtype) if weight is None else weight.reshape(-1).astype(x.dtype)
+    hist = jnp.zeros((total,), x.dtype).at[jnp.where(inside, flat, total)].add(w, mode="drop")
+    hist = hist.reshape(shape)
+    if density:
+        hist = hist / jnp.sum(hist)
+        for dim, e in enumerate(edges):
+            widths = (e[1:] - e[:-1]).reshape([-1 if i == dim else 1 for i in _builtin_range(d)])
+            hist = hist / widths
+    return hist
+
+
+@lower(aten.histogram.bin_ct, static=("bins", "range"))
+def histogram_bin_ct(self, bins=100, range=None, weight=None, density=False):
+    x = self.reshape(-1, 1)
+    edges = _histogramdd_edges(x, [bins], range)
+    return _histogramdd_counts(x, edges, weight, density), edges[0]
+
+
+@lower(aten.histogram.bins_tensor)
+def histogram_bins_tensor(self, bins, weight=None, density=False):
+    x = self.reshape(-1, 1)
+    return _histogramdd_counts(x, [bins.astype(x.dtype)], weight, density), bins
+
+
+@lower(aten._histogramdd_bin_edges.default, static=("bins", "range"))
+def _histogramdd_bin_edges(self, bins, range=None, weight=None, density=False):
+    x = self.reshape(-1, self.shape[-1])
+    return list(_histogramdd_edges(x, list(bins), range))
+
+
+@lower(aten._histogramdd_from_bin_cts.default, static=("bins", "range"))
+def _histogramdd_from_bin_cts(self, bins, range=None, weight=None, density=False):
+    x = self.reshape(-1, self.shape[-1])
+    return _histogramdd_counts(x, _histogramdd_edges(x, list(bins), range), weight, density)
+
+
+@lower(aten._histogramdd_from_bin_tensors.default)
+def _histogramdd_from_bin_tensors(self, bins, weight=None, density=False):
+    x = self.reshape(-1, self.shape[-1])
+    return _histogramdd_counts(x, [b.astype(x.dtype) for b in bins], weight, density)
+
+
 @lower(aten.bincount.default, dynamic_shape=True)
 def bincount(self, weights=None, minlength=0):
     length = max(int(jnp.max(self)) + 1 if self.size else 0, minlength)  # the length is data
@@ -617,3 +717,139 @@ def embedding_dense_backward(grad_output, indices, num_weights, padding_idx, sca
         grad = grad / counts[flat][:, None]
     grad = jnp.where(keep[:, None], grad, 0)
     return jnp.zeros((num_weights, grad.shape[1]), grad.dtype).at[flat].add(grad)
+
+
+# ---- embedding_bag ---------------------------------------------------------------------------------
+# modes: 0 sum, 1 mean, 2 max. A negative padding_idx means none (F.embedding_bag normalizes it).
+
+
+def _bag_ids(n, offsets, num_bags):
+    # bag b holds positions [offsets[b], offsets[b+1]); the last bag runs to the end
+    # (with include_last_offset the final offset is ignored, as on CPU)
+    pos = jnp.arange(n)
+    bag = jnp.searchsorted(offsets[:num_bags], pos, side="right") - 1
+    return jnp.where(bag < 0, num_bags, bag)  # before the first offset: in no bag (dropped)
+
+
+def _bag_keep(indices, padding_idx):
+    return indices != padding_idx if padding_idx >= 0 else jnp.ones(indices.shape, bool)
+
+
+@lower(
+    aten._embedding_bag.default,
+    aten._embedding_bag_forward_only.default,
+    static=("mode", "padding_idx"),
+)
+def _embedding_bag(
+    weight,
+    indices,
+    offsets,
+    scale_grad_by_freq=False,
+    mode=0,
+    sparse=False,
+    per_sample_weights=None,
+    include_last_offset=False,
+    padding_idx=-1,
+):
+    if indices.ndim == 2:
+        # 2-D input: one bag per row
+        b, l = indices.shape
+        offsets = jnp.arange(0, b * l, max(l, 1), dtype=indices.dtype)
+        indices = indices.reshape(-1)
+        include_last_offset = False
+    num_bags = offsets.shape[0] - (1 if include_last_offset else 0)
+    n = indices.shape[0]
+    bag = _bag_ids(n, offsets, num_bags)
+    keep = _bag_keep(indices, padding_idx)
+    rows = weight[indices]
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights[:, None].astype(rows.dtype)
+    count = jax.ops.segment_sum(keep.astype(indices.dtype), bag, num_bags)
+    if mode == 2:
+        neg = jnp.asarray(-jnp.inf, rows.dtype)
+        best = jax.ops.segment_max(jnp.where(keep[:, None], rows, neg), bag, num_bags)
+        empty = (count == 0)[:, None]
+        out = jnp.where(empty, 0, best).astype(weight.dtype)
+        # the first position (per feature) holding the bag's maximum, as CPU's strict `>`
+        is_max = keep[:, None] & (rows == best[jnp.minimum(bag, num_bags - 1)])
+        first = jax.ops.segment_min(jnp.where(is_max, jnp.arange(n)[:, None], n), bag, num_bags)
+        max_idx = jnp.where(empty | (first >= n), 0, indices[jnp.minimum(first, max(n - 1, 0))] if n else 0)
+        return out, bag.astype(indices.dtype), count, max_idx.astype(indices.dtype)
+    out = jax.ops.segment_sum(jnp.where(keep[:, None], rows, 0), bag, num_bags)
+    if mode == 1:
+        out = jnp.where(count[:, None] == 0, 0, out / jnp.maximum(count, 1)[:, None].astype(out.dtype))
+    return out.astype(weight.dtype), bag.astype(indices.dtype), count, count
+
+
+@lower(aten._embedding_bag_dense_backward.default, static=("num_weights", "mode", "padding_idx"))
+def _embedding_bag_dense_backward(
+    grad,
+    indices,
+    offset2bag,
+    bag_size,
+    maximum_indices,
+    num_weights,
+    scale_grad_by_freq,
+    mode,
+    per_sample_weights,
+    padding_idx=-1,
+):
+    dim = grad.shape[1]
+    if mode == 2:
+        # each bag's gradient goes to the row that held the maximum, per feature
+        valid = (bag_size > 0)[:, None]
+        cols = jnp.broadcast_to(jnp.arange(dim), maximum_indices.shape)
+        return (
+            jnp.zeros((num_weights, dim), grad.dtype)
+            .at[maximum_indices, cols]
+            .add(jnp.where(valid, grad, 0))
+        )
+    flat = indices.reshape(-1)
+    bag = offset2bag.reshape(-1)
+    g = grad[jnp.minimum(bag, grad.shape[0] - 1)]
+    g = jnp.where((bag < grad.shape[0])[:, None], g, 0)
+    if mode == 1:
+        g = g / jnp.maximum(bag_size[jnp.minimum(bag, grad.shape[0] - 1)], 1)[:, None].astype(g.dtype)
+    if per_sample_weights is not None:
+        g = g * per_sample_weights.reshape(-1)[:, None].astype(g.dtype)
+    if scale_grad_by_freq:
+        counts = jnp.zeros((num_weights,), g.dtype).at[flat].add(1)
+        g = g / counts[flat][:, None]
+    g = jnp.where(_bag_keep(flat, padding_idx)[:, None], g, 0)
+    return jnp.zeros((num_weights, dim), grad.dtype).at[flat].add(g)
+
+
+@lower(aten._embedding_bag_backward.default, static=("num_weights", "mode", "padding_idx"))
+def _embedding_bag_backward(
+    grad,
+    indices,
+    offsets,
+    offset2bag,
+    bag_size,
+    maximum_indices,
+    num_weights,
+    scale_grad_by_freq,
+    mode,
+    sparse,
+    per_sample_weights,
+    padding_idx=-1,
+):
+    if offset2bag.size != indices.size:
+        # CPU's sum fast path leaves offset2bag empty: rebuild it from the offsets
+        offset2bag = _bag_ids(indices.size, offsets, grad.shape[0])
+    return _embedding_bag_dense_backward(
+        grad, indices, offset2bag, bag_size, maximum_indices, num_weights, scale_grad_by_freq,
+        mode, per_sample_weights, padding_idx,
+    )
+
+
+@lower(aten._embedding_bag_per_sample_weights_backward.default, static=("mode", "padding_idx"))
+def _embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, offset2bag, mode, padding_idx=-1):
+    # d out[bag(i)] / d w_i = weight[indices[i]]
+    flat = indices.reshape(-1)
+    if offset2bag.size != flat.size:
+        offset2bag = _bag_ids(flat.size, offsets, grad.shape[0])
+    bag = offset2bag.reshape(-1)
+    g = jnp.where((bag < grad.shape[0])[:, None], grad[jnp.minimum(bag, grad.shape[0] - 1)], 0)
+    out = jnp.sum(g * weight[flat].astype(g.dtype), axis=1)
+    return jnp.where(_bag_keep(flat, padding_idx), out, 0).astype(grad.dtype)

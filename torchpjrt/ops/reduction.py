@@ -360,3 +360,107 @@ def count_nonzero_dims(self, dim):
 @lower(aten.count_nonzero.default)
 def count_nonzero(self, dim=None):
     return jnp.sum(_nonzero(self), axis=_axes(self, dim), dtype=jnp.int64)
+
+
+# ---- segment_reduce ---------------------------------------------------------------------------
+# Segments run along the last dim of lengths/offsets (the data axis); leading dims of lengths
+# match the data's leading dims. Data past the last segment is ignored (and gets no gradient).
+
+
+def _segment_layout(data, lengths, offsets):
+    """data as (outer, N, inner), per-outer offsets (outer, S+1), and the segment id of each
+    position along the axis (outer, N; S where the position is in no segment)."""
+    if offsets is None:
+        zero = jnp.zeros(lengths.shape[:-1] + (1,), lengths.dtype)
+        offsets = jnp.concatenate([zero, jnp.cumsum(lengths, axis=-1)], axis=-1)
+    axis = offsets.ndim - 1
+    outer = math.prod(data.shape[:axis])
+    n = data.shape[axis]
+    x = data.reshape(outer, n, -1)
+    offs = offsets.reshape(outer, -1).astype(jnp.int64)
+    s = offs.shape[1] - 1
+    pos = jnp.arange(n)
+    ids = jax.vmap(lambda o: jnp.searchsorted(o, pos, side="right") - 1)(offs)
+    ids = jnp.where((ids < 0) | (ids >= s) | (pos[None] >= offs[:, -1:]), s, ids)
+    return x, offs, ids, axis, s
+
+
+def _seg(fn, x, ids, s):
+    # per outer row: fn(values (N, inner), ids (N,), S) -> (S, inner); id S is dropped
+    return jax.vmap(lambda v, i: fn(v, i, num_segments=s))(x, ids)
+
+
+@lower(aten.segment_reduce.default, static=("axis", "unsafe"))
+def segment_reduce(data, reduce, lengths=None, indices=None, offsets=None, axis=0, unsafe=False, initial=None):
+    x, offs, ids, ax, s = _segment_layout(data, lengths, offsets)
+    lens = (offs[:, 1:] - offs[:, :-1])[:, :, None]
+    empty = lens == 0
+    nan = jnp.asarray(jnp.nan, x.dtype)
+    if reduce in ("max", "min"):
+        fn = jax.ops.segment_max if reduce == "max" else jax.ops.segment_min
+        out = _seg(fn, x, ids, s)
+        if initial is not None:
+            init = jnp.asarray(initial, x.dtype)
+            out = jnp.maximum(out, init) if reduce == "max" else jnp.minimum(out, init)
+        # a NaN anywhere in the segment wins, as CPU's _isnan check
+        has_nan = _seg(jax.ops.segment_max, jnp.isnan(x).astype(jnp.int32), ids, s) > 0
+        out = jnp.where(has_nan, nan, out)
+        if initial is None:
+            out = jnp.where(empty, -jnp.inf if reduce == "max" else jnp.inf, out)
+    elif reduce in ("sum", "mean"):
+        out = _seg(jax.ops.segment_sum, x, ids, s)
+        if initial is not None:
+            out = out + jnp.asarray(initial, x.dtype)
+        if reduce == "mean":
+            div = jnp.where(empty, 1, lens).astype(x.dtype)
+            out = jnp.where(empty, nan if initial is None else out, out / div)
+    elif reduce == "prod":
+        out = _seg(jax.ops.segment_prod, x, ids, s)
+        if initial is not None:
+            out = out * jnp.asarray(initial, x.dtype)
+    else:
+        raise ValueError(f"unsupported reduction given! {reduce}")
+    return out.astype(data.dtype).reshape(data.shape[:ax] + (s,) + data.shape[ax + 1 :])
+
+
+@lower(aten._segment_reduce_backward.default, static=("axis",))
+def _segment_reduce_backward(grad, output, data, reduce, lengths=None, offsets=None, axis=0, initial=None):
+    x, offs, ids, ax, s = _segment_layout(data, lengths, offsets)
+    g_seg = grad.reshape(x.shape[0], s, -1)
+    out_seg = output.reshape(x.shape[0], s, -1)
+    inside = (ids < s)[:, :, None]
+
+    def at_pos(t):
+        # a per-segment value (outer, S, inner) at each data position (outer, N, inner)
+        return jnp.take_along_axis(t, jnp.minimum(ids, max(s - 1, 0))[:, :, None], axis=1)
+
+    g = jnp.where(inside, at_pos(g_seg), 0) if s else jnp.zeros_like(x)
+    lens = offs[:, 1:] - offs[:, :-1]
+    if reduce in ("max", "min"):
+        hit = inside & (jnp.isnan(x) | (x == at_pos(out_seg)))
+        counter = _seg(jax.ops.segment_sum, hit.astype(jnp.int64), ids, s)
+        gi = jnp.where(hit, g, 0)
+        # CPU splits among ties only the positive gradients
+        c = at_pos(counter)
+        gi = jnp.where((c >= 2) & (gi > 0), gi / jnp.maximum(c, 1).astype(gi.dtype), gi)
+    elif reduce == "sum":
+        gi = g
+    elif reduce == "mean":
+        gi = g / jnp.maximum(at_pos(lens[:, :, None]), 1).astype(g.dtype)
+    elif reduce == "prod":
+        special = jnp.isnan(x) | (x == 0)
+        init = jnp.asarray(1 if initial is None else initial, x.dtype)
+        # product of the segment's ordinary elements (times initial), and its zero/NaN counts
+        nz_prod = _seg(jax.ops.segment_prod, jnp.where(special, 1, x), ids, s) * init
+        n_special = _seg(jax.ops.segment_sum, special.astype(jnp.int64), ids, s)
+        n_nan = _seg(jax.ops.segment_sum, jnp.isnan(x).astype(jnp.int64), ids, s)
+        other_nan = (at_pos(n_nan) - jnp.isnan(x)) > 0
+        # exclusive product for a zero/NaN element: the others' product
+        excl = jnp.where(
+            at_pos(n_special) == 1, at_pos(nz_prod), jnp.where(other_nan, jnp.nan, at_pos(nz_prod) * 0)
+        )
+        ordinary = g * at_pos(out_seg) / jnp.where(special, 1, x)
+        gi = jnp.where(inside, jnp.where(special, g * excl, ordinary), 0)
+    else:
+        raise ValueError(f"unsupported reduction given! {reduce}")
+    return gi.astype(data.dtype).reshape(data.shape)
