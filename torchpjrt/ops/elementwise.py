@@ -4,6 +4,8 @@ Outputs are cast to PyTorch's result dtype by the dispatcher (from the op's meta
 so these functions may compute with JAX's promotion where that gives the same values.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -183,7 +185,6 @@ for _op, _fn in [
     (aten.erfc.default, jax.scipy.special.erfc),
     (aten.erfinv.default, jax.scipy.special.erfinv),
     (aten.lgamma.default, jax.scipy.special.gammaln),
-    (aten.digamma.default, jax.scipy.special.digamma),
     (aten.i0.default, jax.scipy.special.i0),
     (aten.special_i0e.default, jax.scipy.special.i0e),
     (aten.special_i1.default, jax.scipy.special.i1),
@@ -362,6 +363,20 @@ def clone(self, memory_format=None):
     return self
 
 
+# conj() and _neg_view() are views that only flip a math bit, which the storage read does
+# not apply; here they are values: reads are right (torch.fft.ifft/hfft and complex backward
+# formulas apply _conj to fft results), but the result does not alias its input (is_conj()
+# is False and writing into x.conj() leaves x unchanged).
+@lower(aten._conj.default)
+def conj_view(self):
+    return jnp.conj(self)
+
+
+@lower(aten._neg_view.default)
+def neg_view(self):
+    return jnp.negative(self)
+
+
 @lower(aten.alias_copy.default, aten.detach_copy.default)
 def alias_copy(self):
     return self
@@ -372,10 +387,58 @@ def isclose(self, other, rtol=1e-05, atol=1e-08, equal_nan=False):
     return jnp.isclose(self, other, rtol=rtol, atol=atol, equal_nan=equal_nan)
 
 
+def _digamma(x):
+    # CPU: digamma(+-0) = -+inf (jax gives nan there)
+    return jnp.where(x == 0, jnp.copysign(jnp.inf, -x), jax.scipy.special.digamma(x)).astype(x.dtype)
+
+
+_unary(aten.digamma.default, _digamma)
+
+
+def _trigamma(x):
+    # PyTorch's CPU trigamma: reflection for x < 0.5, six recurrence steps, asymptotic series
+    reflect = x < 0.5
+    sin_pi_x = jnp.sin(jnp.pi * x)
+    result = jnp.where(reflect, -(jnp.pi * jnp.pi) / (sin_pi_x * sin_pi_x), 0).astype(x.dtype)
+    x = jnp.where(reflect, 1 - x, x)
+    for _ in range(6):
+        result = result + 1 / (x * x)
+        x = x + 1
+    ixx = 1 / (x * x)
+    result = result + (1 + 1 / (2 * x) + ixx * (1 / 6 - ixx * (1 / 30 - ixx * (1 / 42)))) / x
+    return jnp.where(reflect, -result, result)
+
+
+def _hurwitz_zeta_int(s, q):
+    """zeta(s, q) for an integer s >= 2 as PyTorch's CPU computes it: for q <= 0 the series
+    sum_k (q + k)^-s itself (+inf at q = 0, -1, ...), where jax's zeta gives nan. The terms
+    with q + k < 1 are summed here, the rest is jax's zeta at the shifted argument."""
+    pole = (q <= 0) & (q == jnp.floor(q))  # also q = -inf
+    q0 = jnp.where(pole | jnp.isnan(q), 1, q).astype(q.dtype)
+
+    def cond(c):
+        return jnp.any(c[0] < 1)
+
+    def body(c):
+        q, acc = c
+        low = q < 1
+        return jnp.where(low, q + 1, q), acc + jnp.where(low, q ** -s, 0).astype(q.dtype)
+
+    shifted, acc = lax.while_loop(cond, body, (q0, jnp.zeros_like(q0)))
+    out = acc + jax.scipy.special.zeta(jnp.asarray(s, q.dtype), shifted)
+    out = jnp.where(pole, jnp.inf, out)
+    return jnp.where(jnp.isnan(q), q, out)
+
+
 @lower(aten.polygamma.default, static=("n",))
 def polygamma(n, self):
     x = self if _is_float(self) else self.astype(jnp.float32)
-    return jax.scipy.special.polygamma(n, x)
+    if n == 0:
+        return _digamma(x)
+    if n == 1:
+        return _trigamma(x)
+    # CPU: (-1)^(n+1) * n! * zeta(n+1, x), defined for negative x too (jax's polygamma is not)
+    return (1 if n % 2 else -1) * math.factorial(n) * _hurwitz_zeta_int(n + 1, x)
 
 
 @lower(aten.mvlgamma.default, static=("p",))
