@@ -728,17 +728,11 @@ def _via_functional(op, functional, args, kwargs):
     stats["via_functional"] += 1
     if targets and targets[0] is vals[0] and not sig.kwarg_only[0]:
         for t, r in zip(targets, results):
-            write_out(t, _value_on_device(r)) if t.shape != r.shape else storage.write(t, _value_on_device(r))
+            write_out(t, storage.value_of(r)) if t.shape != r.shape else storage.write(t, storage.value_of(r))
         return vals[0]
     for t, r in zip(targets, results):
-        write_out(t, _value_on_device(r))
+        write_out(t, storage.value_of(r))
     return targets[0] if len(targets) == 1 else tuple(targets)
-
-
-def _value_on_device(t):
-    if t.device.type == "pjrt":
-        return storage.read(t)
-    return jnp.asarray(dtypes.numpy_from_cpu_tensor(t))
 
 
 def _unsupported(op, args, kwargs):
@@ -797,7 +791,7 @@ def cpu_fallback(op, args, kwargs):
         if sig.written[i] and isinstance(vals[i], torch.Tensor) and vals[i].device.type == "pjrt":
             if tuple(vals[i].shape) != tuple(cvals[i].shape):
                 storage.resize(vals[i], cvals[i].shape)
-            storage.write(vals[i], _value_on_device(cvals[i]))
+            storage.write(vals[i], storage.value_of(cvals[i]))
 
     def back(r):
         if isinstance(r, torch.Tensor):

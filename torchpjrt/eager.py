@@ -211,7 +211,7 @@ def run_debug(op, kernel, args, kwargs):
         _depth.n = level
     elapsed = time.perf_counter() - t0
     if log_ops:
-        log.info("%s%s  %s -> %s  %.3f ms", "  " * level, name, _describe(_tensors((args, kwargs))),
+        log.info("%s%s  %s -> %s  %.3f ms", "  " * level, name, _describe(_tensors((args, list(kwargs.values())))),
                  _describe(outs), elapsed * 1e3)
     if check_nans and level == 0:
         _check_finite(name, args, kwargs, outs, arrays)
@@ -226,13 +226,9 @@ def _array_of(t):
 
 
 def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for v in x for t in _tensors(v)]
-    if isinstance(x, dict):
-        return [t for v in x.values() for t in _tensors(v)]
-    return []
+    from .dispatch import _flatten_tensors
+
+    return _flatten_tensors(x)
 
 
 def _describe(tensors):
@@ -255,7 +251,7 @@ def _check_finite(name, args, kwargs, outs, arrays):
     bad = [i for i, a in enumerate(arrays) if a is not None and not _all_finite(a)]
     if not bad:
         return
-    for v in _tensors((args, kwargs)):
+    for v in _tensors((args, list(kwargs.values()))):
         if v.device.type == "pjrt":
             a = _array_of(v)
             if a is not None and not _all_finite(a):

@@ -29,7 +29,6 @@ _lock = threading.RLock()
 _recording = False
 max_ops = 4096  # pending graph size that forces a flush
 cache_size = 512  # compiled graphs kept (least recently used are dropped)
-cut_at_backward = True
 
 
 class Pending:
@@ -103,7 +102,7 @@ def _has_pending(tree):
 class _Graph:
     __slots__ = ("nodes", "inputs", "input_slots", "input_ids", "outputs", "storages", "n_slots", "task", "error")
 
-    def __init__(self, task=-1):
+    def __init__(self):
         self.nodes = []  # (fn, treedef, input slots, first output slot); also the cache key
         self.inputs = []  # concrete values (jax arrays, numpy arrays, Python scalars)
         self.input_slots = []
@@ -111,8 +110,23 @@ class _Graph:
         self.outputs = []  # weakrefs to this graph's Pendings
         self.storages = []  # weakrefs to storages that were given a Pending
         self.n_slots = 0
-        self.task = task  # autograd graph task recording into this graph (-1: none)
+        self.task = -1  # autograd graph task recording into this graph (-1: none)
         self.error = None  # why running this graph failed, if it did
+
+    def input_slot(self, x):
+        """The slot of a concrete input (an array passed twice is one input)."""
+        is_array = isinstance(x, jax.Array)
+        if is_array:
+            slot = self.input_ids.get(id(x))
+            if slot is not None:
+                return slot
+        slot = self.n_slots
+        self.n_slots += 1
+        self.inputs.append(x)
+        self.input_slots.append(slot)
+        if is_array:
+            self.input_ids[id(x)] = slot
+        return slot
 
     def lost(self):
         raise RuntimeError(
@@ -144,11 +158,7 @@ def call(fn, *args):
     if not _recording:
         return fn(*args)
     leaves, treedef = jax.tree_util.tree_flatten(args)
-    sig = tuple(_signature_of(x) for x in leaves)
-    entry = _out_avals.get((fn, treedef, sig))
-    if entry is None:
-        entry = _out_avals[(fn, treedef, sig)] = _eval_shape(fn, treedef, leaves, sig)
-    return _add_node(fn, treedef, leaves, entry)
+    return _add_node(fn, treedef, leaves, _output_avals(fn, treedef, leaves))
 
 
 def record_keyed(avals_cache, key, fn, args):
@@ -156,12 +166,18 @@ def record_keyed(avals_cache, key, fn, args):
     leaves, treedef = jax.tree_util.tree_flatten(args)
     entry = avals_cache.get(key)
     if entry is None:
-        sig = tuple(_signature_of(x) for x in leaves)
-        entry = _out_avals.get((fn, treedef, sig))
-        if entry is None:
-            entry = _out_avals[(fn, treedef, sig)] = _eval_shape(fn, treedef, leaves, sig)
-        avals_cache[key] = entry
+        entry = avals_cache[key] = _output_avals(fn, treedef, leaves)
     return _add_node(fn, treedef, leaves, entry)
+
+
+def _output_avals(fn, treedef, leaves):
+    """(out treedef, [(shape, dtype, weak_type)]) of fn on these arguments, from jax.eval_shape
+    once per argument signature."""
+    sig = tuple(_signature_of(x) for x in leaves)
+    entry = _out_avals.get((fn, treedef, sig))
+    if entry is None:
+        entry = _out_avals[(fn, treedef, sig)] = _eval_shape(fn, treedef, leaves, sig)
+    return entry
 
 
 def _signature_of(x):
@@ -194,7 +210,7 @@ def _add_node(fn, treedef, leaves, entry):
         g = _graph
         task = _current_task()
         if task != g.task:
-            if task >= 0 and g.nodes and cut_at_backward:
+            if task >= 0 and g.nodes:
                 # a backward pass starts: run the forward now, so that it computes while
                 # the backward is recorded (and `loss.item()` waits for the forward only)
                 flush("backward")
@@ -209,19 +225,7 @@ def _add_node(fn, treedef, leaves, entry):
                 if x.value is None:
                     x.graph.lost()
                 x = x.value  # computed by an earlier flush
-            if isinstance(x, jax.Array):
-                slot = g.input_ids.get(id(x))
-                if slot is None:
-                    slot = g.input_ids[id(x)] = g.n_slots
-                    g.n_slots += 1
-                    g.inputs.append(x)
-                    g.input_slots.append(slot)
-            else:
-                slot = g.n_slots
-                g.n_slots += 1
-                g.inputs.append(x)
-                g.input_slots.append(slot)
-            refs.append(slot)
+            refs.append(g.input_slot(x))
         first = g.n_slots
         g.n_slots += len(avals)
         g.nodes.append((fn, treedef, tuple(refs), first))

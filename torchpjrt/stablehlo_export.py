@@ -39,9 +39,7 @@ class ExportError(RuntimeError):
 
 
 def _array(t: torch.Tensor):
-    if t.device.type == "pjrt":
-        return fusion.concrete(storage.read(t))
-    return jax.numpy.asarray(dtypes.numpy_from_cpu_tensor(t.detach().contiguous()))
+    return fusion.concrete(storage.value_of(t))
 
 
 def _describe(a):

@@ -34,10 +34,10 @@ class Storage:
     __slots__ = ("array", "shape", "dtype", "version", "views", "raw", "__weakref__")
 
     def __init__(self, array, dtype: torch.dtype, shape=None):
-        self.array = array  # None until first written: an uninitialized (empty) storage
+        self.array = None  # None until first written: an uninitialized (empty) storage
+        if array is not None:
+            self._hold(array)
         self.shape = tuple(array.shape) if array is not None else tuple(shape)
-        if type(array) is fusion.Pending:
-            fusion.track(self)
         self.dtype = dtype
         self.version = 0
         self.views = None  # {(geometry, dtype): (version, array)} for materialized views
@@ -50,18 +50,19 @@ class Storage:
     def value(self):
         if self.array is None:
             # PyTorch leaves empty() uninitialized; zeros are one valid content.
-            self.array = _zeros(self.shape, dtypes.to_jax(self.dtype))
-            if type(self.array) is fusion.Pending:
-                fusion.track(self)
+            self._hold(_zeros(self.shape, dtypes.to_jax(self.dtype)))
         return self.array
 
     def replace(self, array):
-        self.array = array
+        self._hold(array)
         self.shape = tuple(array.shape)
         self.version += 1
         self.views = None
+
+    def _hold(self, array):
+        self.array = array
         if type(array) is fusion.Pending:
-            fusion.track(self)
+            fusion.track(self)  # swapped for the computed array when the graph runs
 
 
 @functools.lru_cache(maxsize=None)
@@ -144,6 +145,14 @@ def _read_view(t, st):
         st.views = views = {}
     views[key] = (st.version, out)
     return out
+
+
+def value_of(t: torch.Tensor):
+    """A tensor's elements as a JAX array on the device: read from a pjrt tensor, copied from
+    a CPU one (PyTorch's conj/neg bits resolved)."""
+    if t.device.type == "pjrt":
+        return read(t)
+    return jnp.asarray(dtypes.numpy_from_cpu_tensor(t))
 
 
 def write(t: torch.Tensor, value) -> None:

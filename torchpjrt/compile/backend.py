@@ -15,7 +15,7 @@ import jax
 import torch
 from functorch.compile import make_boxed_func
 
-from .. import dtypes, fusion, random_state, storage
+from .. import fusion, random_state, storage
 from ..ops import TABLE
 from . import graph as graph_mod
 
@@ -108,7 +108,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs):
     def run(*args):
         seed_offset = random_state.next_seed_offset() if random else _NO_SEED
         sizes = tuple(int(args[i]) for i in int_inputs)
-        arrays = [_input(a) for i, a in enumerate(args) if i not in int_inputs] if int_inputs else [_input(a) for a in args]
+        arrays = [_input(a) for i, a in enumerate(args) if i not in int_inputs]
         before, start = stats["xla_compiles"], time.perf_counter()
         outs = fusion.call(program_for(sizes), seed_offset, *arrays)
         if stats["xla_compiles"] != before:
@@ -125,11 +125,7 @@ _NO_SEED = None
 
 
 def _input(a):
-    if isinstance(a, torch.Tensor):
-        if a.device.type == "pjrt":
-            return storage.read(a)
-        return jax.numpy.asarray(dtypes.numpy_from_cpu_tensor(a))
-    return a
+    return storage.value_of(a) if isinstance(a, torch.Tensor) else a
 
 
 def _eager(gm):

@@ -78,7 +78,8 @@ def to_jax_function(gm: torch.fx.GraphModule):
     for node in nodes:
         if node.op == "get_attr":
             value = getattr(gm, node.target)
-            constants[node.name] = _constant(value) if isinstance(value, torch.Tensor) else value
+            # a lifted constant, on the CPU or on pjrt
+            constants[node.name] = fusion.concrete(storage.value_of(value)) if isinstance(value, torch.Tensor) else value
 
     def run(seed_offset, *inputs):
         env = {}
@@ -127,13 +128,6 @@ def to_jax_function(gm: torch.fx.GraphModule):
         raise RuntimeError("graph has no output node")
 
     return run
-
-
-def _constant(t: torch.Tensor):
-    """A tensor the graph holds as an attribute (a lifted constant), CPU or pjrt, as an array."""
-    if t.device.type == "pjrt":
-        return fusion.concrete(storage.read(t))
-    return jax.numpy.asarray(dtypes.numpy_from_cpu_tensor(t.detach()))
 
 
 def _plain(v, kind):
