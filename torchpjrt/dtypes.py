@@ -4,6 +4,9 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+# float types PyTorch's CPU kernels accumulate in float32 (rounding once at the end)
+LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
 TORCH_TO_JAX = {
     torch.float32: jnp.dtype(jnp.float32),
     torch.float64: jnp.dtype(jnp.float64),

@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..dtypes import LOW_PRECISION
 from . import aten, lower
 
-_LOW = (jnp.bfloat16, jnp.float16)
 
 
 def _dimension_numbers(n):
@@ -44,7 +44,7 @@ def _conv(input, weight, stride, padding, dilation, transposed, output_padding, 
         dimension_numbers=_dimension_numbers(n),
         feature_group_count=groups,
         precision=lax.Precision.HIGHEST,
-        preferred_element_type=jnp.float32 if input.dtype in _LOW else None,
+        preferred_element_type=jnp.float32 if input.dtype in LOW_PRECISION else None,
     )
     if not transposed:
         pads = [(p, p) for p in padding]

@@ -1,4 +1,4 @@
-"""Pairwise distances (cdist, pdist) and frexp.
+"""Pairwise distances: cdist and pdist, forward and backward.
 
 The distance formulas follow PyTorch's CPU kernels (aten/src/ATen/native/Distance.cpp and
 cpu/DistanceOpsKernel.cpp): the same per-p special cases, and in the backward the same
@@ -13,14 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..dtypes import LOW_PRECISION
 from . import aten, lower
 
-_LOW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def _up(x):
     x = jnp.asarray(x)
-    if x.dtype in _LOW:
+    if x.dtype in LOW_PRECISION:
         return x.astype(jnp.float32)
     return x
 
@@ -154,39 +154,3 @@ def pdist_backward(grad, self, p, pdist):
     g = _norm_grad(x[i] - x[j], _up(grad).reshape(-1, 1), _up(pdist).reshape(-1, 1), p)
     # each pair pushes row i along the gradient and row j against it
     return jnp.zeros_like(x).at[i].add(g).at[j].add(-g)
-
-
-# ---- frexp ----------------------------------------------------------------------------------
-
-
-@lower(aten.frexp.Tensor)
-def frexp(self):
-    """x = mantissa * 2**exponent with |mantissa| in [0.5, 1); 0, inf and NaN give
-    (x, 0) as std::frexp does. Works on the bits, so subnormals come out right even where
-    the backend flushes them to zero in float arithmetic (jnp.frexp does not)."""
-    x = _up(self)
-    info = jnp.finfo(x.dtype)
-    nmant = info.nmant  # stored fraction bits: 23 (float32) / 52 (float64)
-    nbits = info.bits
-    bias = -info.minexp + 1  # 127 / 1023
-    uint = jnp.uint32 if nbits == 32 else jnp.uint64
-    sint = jnp.int32 if nbits == 32 else jnp.int64
-    bits = lax.bitcast_convert_type(x, uint)
-    one = np.asarray(1, uint)
-    frac_mask = (one << nmant) - one
-    exp_field = ((bits >> nmant) & ((one << (nbits - 1 - nmant)) - one)).astype(sint)
-    frac = bits & frac_mask
-    sign = bits & (one << (nbits - 1))
-    subnormal = (exp_field == 0) & (frac != 0)
-    special = ((exp_field == 0) & (frac == 0)) | (exp_field == (1 << (nbits - 1 - nmant)) - 1)
-    # a subnormal's leading fraction bit becomes the implicit bit: shift it up to position nmant
-    width = nbits - lax.clz(frac).astype(sint)  # bit length of frac
-    shift = jnp.where(subnormal, nmant + 1 - width, 0).astype(uint)
-    frac = jnp.where(subnormal, (frac << shift) & frac_mask, frac)
-    exponent = jnp.where(subnormal, width - nmant - bias + 1, exp_field - bias + 1)
-    # mantissa: same sign and fraction, the biased exponent of 0.5
-    mant_bits = sign | (np.asarray(bias - 1, uint) << nmant) | frac
-    mantissa = lax.bitcast_convert_type(mant_bits, x.dtype)
-    mantissa = jnp.where(special, x, mantissa)
-    exponent = jnp.where(special, 0, exponent)
-    return mantissa.astype(self.dtype), exponent.astype(jnp.int32)

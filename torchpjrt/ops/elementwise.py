@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..dtypes import LOW_PRECISION
 from . import aten, lower
 
 
@@ -375,6 +376,39 @@ def conj_view(self):
 @lower(aten._neg_view.default)
 def neg_view(self):
     return jnp.negative(self)
+
+
+@lower(aten.frexp.Tensor)
+def frexp(self):
+    """x = mantissa * 2**exponent with |mantissa| in [0.5, 1); 0, inf and NaN give
+    (x, 0) as std::frexp does. Works on the bits, so subnormals come out right even where
+    the backend flushes them to zero in float arithmetic (jnp.frexp does not)."""
+    x = self.astype(jnp.float32) if self.dtype in LOW_PRECISION else self
+    info = jnp.finfo(x.dtype)
+    nmant = info.nmant  # stored fraction bits: 23 (float32) / 52 (float64)
+    nbits = info.bits
+    bias = -info.minexp + 1  # 127 / 1023
+    uint = jnp.uint32 if nbits == 32 else jnp.uint64
+    sint = jnp.int32 if nbits == 32 else jnp.int64
+    bits = lax.bitcast_convert_type(x, uint)
+    one = jnp.asarray(1, uint)
+    frac_mask = (one << nmant) - one
+    exp_field = ((bits >> nmant) & ((one << (nbits - 1 - nmant)) - one)).astype(sint)
+    frac = bits & frac_mask
+    sign = bits & (one << (nbits - 1))
+    subnormal = (exp_field == 0) & (frac != 0)
+    special = ((exp_field == 0) & (frac == 0)) | (exp_field == (1 << (nbits - 1 - nmant)) - 1)
+    # a subnormal's leading fraction bit becomes the implicit bit: shift it up to position nmant
+    width = nbits - lax.clz(frac).astype(sint)  # bit length of frac
+    shift = jnp.where(subnormal, nmant + 1 - width, 0).astype(uint)
+    frac = jnp.where(subnormal, (frac << shift) & frac_mask, frac)
+    exponent = jnp.where(subnormal, width - nmant - bias + 1, exp_field - bias + 1)
+    # mantissa: same sign and fraction, the biased exponent of 0.5
+    mant_bits = sign | (jnp.asarray(bias - 1, uint) << nmant) | frac
+    mantissa = lax.bitcast_convert_type(mant_bits, x.dtype)
+    mantissa = jnp.where(special, x, mantissa)
+    exponent = jnp.where(special, 0, exponent)
+    return mantissa.astype(self.dtype), exponent.astype(jnp.int32)
 
 
 @lower(aten.alias_copy.default, aten.detach_copy.default)

@@ -731,6 +731,13 @@ def _bag_ids(n, offsets, num_bags):
     return jnp.where(bag < 0, num_bags, bag)  # before the first offset: in no bag (dropped)
 
 
+def _per_position(values, bag):
+    """values[bag] for each index position; zero for positions in no bag (bag == len(values))."""
+    picked = values[jnp.minimum(bag, values.shape[0] - 1)]
+    in_bag = (bag < values.shape[0]).reshape(bag.shape + (1,) * (picked.ndim - 1))
+    return jnp.where(in_bag, picked, 0)
+
+
 def _bag_keep(indices, padding_idx):
     return indices != padding_idx if padding_idx >= 0 else jnp.ones(indices.shape, bool)
 
@@ -806,8 +813,7 @@ def _embedding_bag_dense_backward(
         )
     flat = indices.reshape(-1)
     bag = offset2bag.reshape(-1)
-    g = grad[jnp.minimum(bag, grad.shape[0] - 1)]
-    g = jnp.where((bag < grad.shape[0])[:, None], g, 0)
+    g = _per_position(grad, bag)
     if mode == 1:
         g = g / jnp.maximum(bag_size[jnp.minimum(bag, grad.shape[0] - 1)], 1)[:, None].astype(g.dtype)
     if per_sample_weights is not None:
@@ -850,6 +856,6 @@ def _embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, o
     if offset2bag.size != flat.size:
         offset2bag = _bag_ids(flat.size, offsets, grad.shape[0])
     bag = offset2bag.reshape(-1)
-    g = jnp.where((bag < grad.shape[0])[:, None], grad[jnp.minimum(bag, grad.shape[0] - 1)], 0)
+    g = _per_position(grad, bag)
     out = jnp.sum(g * weight[flat].astype(g.dtype), axis=1)
     return jnp.where(_bag_keep(flat, padding_idx), out, 0).astype(grad.dtype)

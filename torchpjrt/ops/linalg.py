@@ -14,17 +14,17 @@ import jax.numpy as jnp
 from jax import lax
 from jax.scipy.linalg import expm
 
+from ..dtypes import LOW_PRECISION
 from . import aten, lower
 
 HIGHEST = lax.Precision.HIGHEST
-_LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 # ---- helpers --------------------------------------------------------------------------------
 
 
 def _matmul(a, b):
-    low = jnp.result_type(a, b) in _LOW_PRECISION
+    low = jnp.result_type(a, b) in LOW_PRECISION
     return jnp.matmul(a, b, precision=HIGHEST, preferred_element_type=jnp.float32 if low else None)
 
 
@@ -48,7 +48,7 @@ def _scaled_sum(self, product, beta, alpha):
     beta, alpha = _scalars_for(dtype, beta, alpha)
     if not _is_one(alpha):
         product = alpha * product
-    if product.dtype == jnp.float32 and jnp.result_type(self) in _LOW_PRECISION:
+    if product.dtype == jnp.float32 and jnp.result_type(self) in LOW_PRECISION:
         self = self.astype(jnp.float32)  # one rounding at the end, as the CPU's gemm
     if _is_one(beta):
         return self + product
@@ -168,7 +168,7 @@ def baddbmm(self, batch1, batch2, beta=1, alpha=1):
 
 @lower(aten.addbmm.default)
 def addbmm(self, batch1, batch2, beta=1, alpha=1):
-    if jnp.result_type(batch1, batch2) in _LOW_PRECISION and batch1.shape[0] > 0:
+    if jnp.result_type(batch1, batch2) in LOW_PRECISION and batch1.shape[0] > 0:
         return _addbmm_rounded(self, batch1, batch2, beta, alpha)
     product = jnp.einsum("bij,bjk->ik", batch1, batch2, precision=HIGHEST)
     return _scaled_sum(self, product, beta, alpha)
@@ -221,7 +221,7 @@ def trace(self):
     x = self
     if not jnp.issubdtype(x.dtype, jnp.inexact):
         x = x.astype(jnp.int64)  # PyTorch sums integer traces in int64
-    elif x.dtype in _LOW_PRECISION:
+    elif x.dtype in LOW_PRECISION:
         x = x.astype(jnp.float32)
     return jnp.trace(x)
 

@@ -13,14 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..dtypes import LOW_PRECISION
 from . import aten, lower
 
-_LOW = (jnp.bfloat16, jnp.float16)
 
 
 def _up(x):
     """float32 for bfloat16/float16 arrays (CPU computes these in float)."""
-    if hasattr(x, "dtype") and x.dtype in _LOW:
+    if hasattr(x, "dtype") and x.dtype in LOW_PRECISION:
         return x.astype(jnp.float32)
     return x
 
@@ -361,7 +361,7 @@ def native_group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, g
 def _stats_dtype(input, *params):
     """CPU keeps batch-norm statistics in float32 when a low-precision input comes with
     float32 parameters, else in the input's dtype."""
-    mixed = input.dtype in _LOW and any(p is not None and p.dtype == jnp.float32 for p in params)
+    mixed = input.dtype in LOW_PRECISION and any(p is not None and p.dtype == jnp.float32 for p in params)
     return jnp.float32 if mixed else input.dtype
 
 

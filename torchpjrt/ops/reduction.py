@@ -11,10 +11,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..dtypes import to_jax
+from ..dtypes import LOW_PRECISION, to_jax
 from . import aten, lower
 
-_LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 # ---- helpers --------------------------------------------------------------------------------
@@ -48,7 +47,7 @@ def _acc(x, dtype=None):
         x = x.astype(to_jax(dtype))
     elif not _is_float(x):
         x = x.astype(jnp.int64)
-    if x.dtype in _LOW_PRECISION:
+    if x.dtype in LOW_PRECISION:
         x = x.astype(jnp.float32)
     return x
 
@@ -56,7 +55,7 @@ def _acc(x, dtype=None):
 def _upcast(x):
     """Low-precision floats to float32, integers to the default float; for float-only math."""
     x = jnp.asarray(x)
-    if x.dtype in _LOW_PRECISION or not _is_float(x):
+    if x.dtype in LOW_PRECISION or not _is_float(x):
         return x.astype(jnp.float32)
     return x
 
