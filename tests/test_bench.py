@@ -119,17 +119,18 @@ def _batch(w, seed):
     return w.batch_fn(w.batch_size, "cpu")
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn"])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "resnet", "unet"])
 def test_builtin_workloads_tiny(name):
     _check_workload(workloads.build(name, "tiny", None, None))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "t5", "vit", "mixtral"])
 def test_transformers_workloads_tiny(name):
-    pytest.importorskip("transformers", reason="the gpt2, llama and bert workloads need transformers (torchpjrt[bench])")
+    pytest.importorskip("transformers", reason="these workloads need transformers (torchpjrt[bench])")
     w = workloads.build(name, "tiny", None, 2)
-    assert w.batch_size == 2 and w.tokens_per_sample == 32
+    assert w.batch_size == 2
+    assert w.tokens_per_sample == {"vit": None, "t5": 64}.get(name, 32)
     _check_workload(w)
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-BUILTIN = ("mlp", "cnn", "gpt2", "llama", "bert")
+BUILTIN = ("mlp", "cnn", "resnet", "unet", "gpt2", "llama", "bert", "t5", "vit", "mixtral")
 SIZES = ("tiny", "small", "base")
 USER_BATCH_SIZE = 32
 
@@ -105,13 +105,182 @@ def build_cnn(size: str) -> Workload:
     return Workload(WithTargets(nn.Sequential(*layers)), batch_fn, _classification_loss, batch_size, None, desc)
 
 
+# ---- resnet ---------------------------------------------------------------------------------
+
+RESNET_SIZES = {  # image side, (channels, blocks) per stage, classes, batch size
+    "tiny": (16, ((8, 1), (16, 1)), 10, 8),
+    "small": (32, ((32, 2), (64, 2), (128, 2)), 10, 32),
+    "base": (64, ((64, 2), (128, 2), (256, 2), (512, 2)), 10, 64),  # ResNet-18's layout
+}
+
+
+class BasicBlock(nn.Module):
+    """ResNet's basic block: two conv3x3-BN, a projection shortcut when the shape changes."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.shortcut = nn.Identity()
+        if stride != 1 or c_in != c_out:
+            self.shortcut = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(y)) + self.shortcut(x))
+
+
+def build_resnet(size: str) -> Workload:
+    side, stages, classes, batch_size = RESNET_SIZES[size]
+    c0 = stages[0][0]
+    layers = [nn.Conv2d(3, c0, 3, 1, 1, bias=False), nn.BatchNorm2d(c0), nn.ReLU()]
+    c_in = c0
+    for i, (c, blocks) in enumerate(stages):
+        for b in range(blocks):
+            layers.append(BasicBlock(c_in, c, 2 if (b == 0 and i > 0) else 1))
+            c_in = c
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c_in, classes)]
+    teacher = _teacher(3 * side * side, classes)
+
+    def batch_fn(n, device):
+        x = torch.randn(n, 3, side, side)
+        return x.to(device), (x.flatten(1) @ teacher).argmax(-1).to(device)
+
+    desc = f"ResNet {sum(b for _, b in stages)} basic blocks, stages {[c for c, _ in stages]}, {side}x{side} RGB"
+    return Workload(WithTargets(nn.Sequential(*layers)), batch_fn, _classification_loss, batch_size, None, desc)
+
+
+# ---- unet (diffusion-style noise prediction) ------------------------------------------------
+
+UNET_SIZES = {  # image side, channels per level, batch size
+    "tiny": (16, (16, 32), 4),
+    "small": (32, (32, 64, 128), 16),
+    "base": (64, (64, 128, 256, 256), 32),
+}
+DIFFUSION_STEPS = 1000
+
+
+def _timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sinusoidal embedding of the diffusion step, as in DDPM."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
+    angles = t.float()[:, None] * freqs[None]
+    return torch.cat([angles.sin(), angles.cos()], dim=-1)
+
+
+class ResBlock(nn.Module):
+    """GroupNorm-SiLU-conv twice, with the time embedding added in between."""
+
+    def __init__(self, c_in: int, c_out: int, t_dim: int):
+        super().__init__()
+        self.norm1 = nn.GroupNorm(min(8, c_in), c_in)
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, padding=1)
+        self.time = nn.Linear(t_dim, c_out)
+        self.norm2 = nn.GroupNorm(min(8, c_out), c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1)
+        self.skip = nn.Conv2d(c_in, c_out, 1) if c_in != c_out else nn.Identity()
+
+    def forward(self, x, t_emb):
+        h = self.conv1(F.silu(self.norm1(x)))
+        h = h + self.time(F.silu(t_emb))[:, :, None, None]
+        h = self.conv2(F.silu(self.norm2(h)))
+        return h + self.skip(x)
+
+
+class SelfAttention2d(nn.Module):
+    """Multi-head self-attention over the pixels of the lowest resolution."""
+
+    def __init__(self, c: int, heads: int = 4):
+        super().__init__()
+        self.norm = nn.GroupNorm(min(8, c), c)
+        self.attn = nn.MultiheadAttention(c, heads, batch_first=True)
+
+    def forward(self, x):
+        n, c, h, w = x.shape
+        seq = self.norm(x).flatten(2).transpose(1, 2)
+        out, _ = self.attn(seq, seq, seq, need_weights=False)
+        return x + out.transpose(1, 2).reshape(n, c, h, w)
+
+
+class UNet(nn.Module):
+    """A small DDPM-style UNet: predicts the noise added to an image at diffusion step t."""
+
+    def __init__(self, channels: tuple):
+        super().__init__()
+        self.t_dim = 4 * channels[0]
+        self.time_mlp = nn.Sequential(nn.Linear(channels[0], self.t_dim), nn.SiLU(), nn.Linear(self.t_dim, self.t_dim))
+        self.stem = nn.Conv2d(3, channels[0], 3, padding=1)
+        self.down, self.downsample = nn.ModuleList(), nn.ModuleList()
+        c_in = channels[0]
+        for c in channels:
+            self.down.append(ResBlock(c_in, c, self.t_dim))
+            self.downsample.append(nn.Conv2d(c, c, 3, stride=2, padding=1))
+            c_in = c
+        self.mid = ResBlock(c_in, c_in, self.t_dim)
+        self.mid_attn = SelfAttention2d(c_in)
+        self.up, self.upsample = nn.ModuleList(), nn.ModuleList()
+        for c in reversed(channels):
+            self.upsample.append(nn.ConvTranspose2d(c_in, c_in, 4, stride=2, padding=1))
+            self.up.append(ResBlock(c_in + c, c, self.t_dim))
+            c_in = c
+        self.head = nn.Sequential(nn.GroupNorm(min(8, c_in), c_in), nn.SiLU(), nn.Conv2d(c_in, 3, 3, padding=1))
+
+    def forward(self, noisy, t):
+        t_emb = self.time_mlp(_timestep_embedding(t, self.stem.out_channels))
+        h = self.stem(noisy)
+        skips = []
+        for block, down in zip(self.down, self.downsample):
+            h = block(h, t_emb)
+            skips.append(h)
+            h = down(h)
+        h = self.mid_attn(self.mid(h, t_emb))
+        for up, block in zip(self.upsample, self.up):
+            h = block(torch.cat([up(h), skips.pop()], dim=1), t_emb)
+        return self.head(h)
+
+
+def _noise_prediction_loss(predicted, batch):
+    return F.mse_loss(predicted, batch[-1])
+
+
+def build_unet(size: str) -> Workload:
+    side, channels, batch_size = UNET_SIZES[size]
+    betas = torch.linspace(1e-4, 0.02, DIFFUSION_STEPS, dtype=torch.float64)
+    alpha_bar = torch.cumprod(1 - betas, 0).float()
+
+    def batch_fn(n, device):
+        # Images with structure (smooth gradients plus a bright square) so the noise is learnable.
+        ramp = torch.linspace(-1, 1, side)
+        clean = (ramp[None, None, :, None] * torch.randn(n, 3, 1, 1)).expand(n, 3, side, side).clone()
+        corner = torch.randint(0, side // 2, (n, 2))
+        for i in range(n):
+            r, c = corner[i].tolist()
+            clean[i, :, r : r + side // 4, c : c + side // 4] = 1.0
+        t = torch.randint(0, DIFFUSION_STEPS, (n,))
+        noise = torch.randn(n, 3, side, side)
+        a = alpha_bar[t][:, None, None, None]
+        noisy = a.sqrt() * clean + (1 - a).sqrt() * noise
+        return noisy.to(device), t.to(device), noise.to(device)
+
+    desc = f"UNet (DDPM noise prediction) levels {channels}, GroupNorm, attention at the bottom, {side}x{side} RGB"
+    return Workload(WithTargets(UNet(channels)), batch_fn, _noise_prediction_loss, batch_size, None, desc)
+
+
 # ---- language models (Hugging Face transformers, random weights) ---------------------------
 
 LM_SIZES = {  # layers, hidden, heads, vocab, sequence length, batch size
     "gpt2": {"tiny": (2, 64, 2, 512, 32, 4), "small": (4, 256, 4, 8192, 128, 8), "base": (12, 768, 12, 50257, 256, 8)},
     "llama": {"tiny": (2, 64, 4, 512, 32, 4), "small": (4, 256, 8, 8192, 128, 8), "base": (12, 768, 12, 32000, 256, 8)},
     "bert": {"tiny": (2, 64, 2, 512, 32, 4), "small": (4, 256, 4, 8192, 128, 8), "base": (12, 768, 12, 30522, 128, 16)},
+    "t5": {"tiny": (2, 64, 2, 512, 32, 4), "small": (4, 256, 4, 8192, 128, 8), "base": (12, 768, 12, 32128, 256, 8)},
+    "mixtral": {"tiny": (2, 64, 4, 512, 32, 4), "small": (4, 256, 8, 8192, 128, 8), "base": (8, 768, 12, 32000, 256, 8)},
 }
+VIT_SIZES = {  # layers, hidden, heads, image side, patch, classes, batch size
+    "tiny": (2, 64, 2, 32, 8, 10, 4), "small": (4, 256, 4, 64, 8, 10, 16), "base": (12, 768, 12, 224, 16, 1000, 16),
+}
+MOE_EXPERTS = (4, 2)  # experts per layer, experts per token
 
 
 class Logits(nn.Module):
@@ -145,7 +314,7 @@ def _import_transformers():
     try:
         import transformers
     except ImportError as e:
-        raise ImportError(f"the gpt2, llama and bert workloads need transformers: pip install 'torchpjrt[bench]' ({e})") from None
+        raise ImportError(f"the gpt2, llama, bert, t5, vit and mixtral workloads need transformers: pip install 'torchpjrt[bench]' ({e})") from None
     transformers.logging.set_verbosity_error()
     return transformers
 
@@ -204,7 +373,86 @@ def build_bert(size: str) -> Workload:
     return Workload(WithTargets(Logits(tf.BertForMaskedLM(config))), batch_fn, _masked_lm_loss, batch_size, seq, desc)
 
 
-BUILDERS = {"mlp": build_mlp, "cnn": build_cnn, "gpt2": build_gpt2, "llama": build_llama, "bert": build_bert}
+def build_mixtral(size: str) -> Workload:
+    tf = _import_transformers()
+    layers, hidden, heads, vocab, seq, batch_size = LM_SIZES["mixtral"][size]
+    experts, per_token = MOE_EXPERTS
+    config = tf.MixtralConfig(
+        num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2), intermediate_size=_llama_mlp_width(hidden), vocab_size=vocab,
+        num_local_experts=experts, num_experts_per_tok=per_token, max_position_embeddings=seq,
+        attention_dropout=0.0, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )
+    desc = f"Mixtral mixture of experts {layers} layers, hidden {hidden}, {experts} experts top-{per_token}, vocab {vocab}"
+    return _causal_lm(tf.MixtralForCausalLM(config), vocab, seq, batch_size, desc)
+
+
+class Seq2SeqLogits(nn.Module):
+    """An encoder-decoder Hugging Face model called with teacher forcing, returning the logits."""
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.hf_model = hf_model
+
+    def forward(self, input_ids, decoder_input_ids):
+        return self.hf_model(input_ids=input_ids, decoder_input_ids=decoder_input_ids).logits
+
+
+def build_t5(size: str) -> Workload:
+    tf = _import_transformers()
+    layers, hidden, heads, vocab, seq, batch_size = LM_SIZES["t5"][size]
+    config = tf.T5Config(
+        num_layers=layers, num_decoder_layers=layers, d_model=hidden, d_ff=4 * hidden, num_heads=heads,
+        d_kv=hidden // heads, vocab_size=vocab, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+        eos_token_id=1, use_cache=False,
+    )
+    hf_model = tf.T5ForConditionalGeneration(config)
+
+    def batch_fn(n, device):
+        source = _pattern_tokens(n, seq, vocab - 2) + 2  # ids 0 and 1 are pad/start and end
+        target = source.flip(1)  # the task: reverse the sequence
+        decoder_input = torch.cat([torch.zeros(n, 1, dtype=target.dtype), target[:, :-1]], dim=1)
+        return source.to(device), decoder_input.to(device), target.to(device)
+
+    desc = f"T5 encoder-decoder {layers}+{layers} layers, hidden {hidden}, vocab {vocab}, sequence {seq} (reversal)"
+    return Workload(WithTargets(Seq2SeqLogits(hf_model)), batch_fn, _seq2seq_loss, batch_size, 2 * seq, desc)
+
+
+def _seq2seq_loss(logits, batch):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[-1].reshape(-1))
+
+
+class ImageLogits(nn.Module):
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.hf_model = hf_model
+
+    def forward(self, pixel_values):
+        return self.hf_model(pixel_values=pixel_values).logits
+
+
+def build_vit(size: str) -> Workload:
+    tf = _import_transformers()
+    layers, hidden, heads, side, patch, classes, batch_size = VIT_SIZES[size]
+    config = tf.ViTConfig(
+        num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, intermediate_size=4 * hidden,
+        image_size=side, patch_size=patch, num_labels=classes, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    teacher = _teacher(3 * side * side, classes)
+
+    def batch_fn(n, device):
+        x = torch.randn(n, 3, side, side)
+        return x.to(device), (x.flatten(1) @ teacher).argmax(-1).to(device)
+
+    desc = f"ViT {layers} layers, hidden {hidden}, {side}x{side} images in {patch}x{patch} patches, {classes} classes"
+    return Workload(WithTargets(ImageLogits(tf.ViTForImageClassification(config))), batch_fn, _classification_loss,
+                    batch_size, None, desc)
+
+
+BUILDERS = {
+    "mlp": build_mlp, "cnn": build_cnn, "resnet": build_resnet, "unet": build_unet, "gpt2": build_gpt2,
+    "llama": build_llama, "bert": build_bert, "t5": build_t5, "vit": build_vit, "mixtral": build_mixtral,
+}
 
 
 # ---- the user's factory ---------------------------------------------------------------------
