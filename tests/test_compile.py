@@ -190,3 +190,20 @@ def test_dynamic_shapes_trace_once_and_compile_once_per_size():
     after = compile_stats()
     assert after["graphs"] - before.get("graphs", 0) == 2  # one forward and one backward graph
     assert after["xla_compiles"] - before.get("xla_compiles", 0) == 6  # per size, not per call
+
+
+def test_casts_and_integer_indexing_compile_and_a_copy_to_the_cpu_stays_eager():
+    torch._dynamo.reset()
+    before = dict(compile_stats())
+    x = torch.randn(6, 4)
+    idx = torch.tensor([5, 0, 0, 2])
+    f = torch.compile(lambda a, i: (a[i].half() * 2, a.double().sum()), backend="pjrt")
+    h, s = f(x.to("pjrt"), idx.to("pjrt"))
+    assert h.dtype == torch.float16 and s.dtype == torch.float64
+    assert torch.equal(h.cpu(), x[idx].half() * 2) and torch.allclose(s.cpu(), x.double().sum())
+    assert compile_stats()["eager_graphs"] == before.get("eager_graphs", 0)  # one XLA program
+
+    to_host = torch.compile(lambda a: (a + 1).cpu(), backend="pjrt")
+    with pytest.warns(UserWarning, match="running a compiled graph eagerly"):
+        out = to_host(x.to("pjrt"))
+    assert out.device.type == "cpu" and torch.equal(out, x + 1)

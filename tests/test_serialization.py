@@ -2,7 +2,9 @@
 
 import copy
 import io
+import pickle
 
+import pytest
 import torch
 
 
@@ -45,3 +47,41 @@ def test_load_cpu_checkpoint_onto_pjrt_weights_only():
     m2 = torch.nn.Linear(4, 3).to("pjrt")
     m2.load_state_dict(sd)
     assert torch.equal(m2.bias.cpu(), m.bias.detach())
+
+
+_unpickle_calls = []
+
+
+def _record_unpickle_call():
+    _unpickle_calls.append(True)
+
+
+class _RunsCodeWhenUnpickled:
+    def __reduce__(self):
+        return (_record_unpickle_call, ())
+
+
+def test_load_onto_pjrt_uses_the_default_weights_only(tmp_path):
+    m = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    path = tmp_path / "train.pt"
+    torch.save({"model": m.state_dict(), "optimizer": opt.state_dict(), "epoch": 3, "tags": ["a"]}, path)
+    for kwargs in ({"map_location": "pjrt"}, {"map_location": torch.device("pjrt"), "mmap": True}):
+        ck = torch.load(path, **kwargs)  # no weights_only argument: PyTorch's default (True)
+        assert ck["epoch"] == 3 and ck["tags"] == ["a"]
+        assert ck["model"]["weight"].device.type == "pjrt"
+        assert torch.equal(ck["model"]["weight"].cpu(), m.weight.detach())
+        exp_avg = ck["optimizer"]["state"][0]["exp_avg"]
+        assert exp_avg.device.type == "pjrt" and torch.equal(exp_avg.cpu(), opt.state[m.weight]["exp_avg"])
+    on_device = torch.nn.Linear(4, 3).to("pjrt")
+    on_device.load_state_dict(ck["model"])
+    torch.optim.AdamW(on_device.parameters()).load_state_dict(ck["optimizer"])
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.ones(2), "payload": _RunsCodeWhenUnpickled()}, buf)
+    buf.seek(0)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        torch.load(buf, map_location="pjrt")
+    assert _unpickle_calls == []

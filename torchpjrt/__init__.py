@@ -28,10 +28,18 @@ from . import eager as _eager  # noqa: E402
 
 _eager.install()
 
+from . import autocast as _autocast  # noqa: E402
+
+_autocast.install()
+
 from .dispatch import cpu_fallback_counts  # noqa: E402,F401
 from .stablehlo_export import ExportError, export, load_exported  # noqa: E402,F401
 from .kernels import kernel  # noqa: E402,F401
 from .eager import eager_mode, eager_stats, get_eager_mode, reset_eager_stats, set_eager_mode  # noqa: E402,F401
+from . import checkpoint as _checkpoint  # noqa: E402
+
+_checkpoint.install()  # safetensors.torch.load_file(..., device="pjrt")
+from .checkpoint import load_model, load_safetensors, save_model, save_safetensors  # noqa: E402,F401
 
 
 def op_stats() -> dict:
@@ -40,4 +48,5 @@ def op_stats() -> dict:
 
 
 __all__ = ["op_stats", "cpu_fallback_counts", "kernel", "export", "load_exported", "ExportError", "set_eager_mode", "get_eager_mode", "eager_mode",
-           "eager_stats", "reset_eager_stats"]
+           "eager_stats", "reset_eager_stats", "save_safetensors", "load_safetensors",
+           "save_model", "load_model"]

@@ -267,7 +267,7 @@ class LoweredKernel:
         if fn is None:
             fn = self._build(vals, key)
         stats["lowered"] += 1
-        if self.lowering.dynamic_shape:
+        if self.lowering.dynamic_shape and self.lowering.has_dynamic_shape(vals):
             # data-dependent output shapes (nonzero, unique): the inputs must be known
             return fn(*fusion.concrete_tree(dyn))
         if fusion._recording:
@@ -306,7 +306,7 @@ class LoweredKernel:
             pass
         except RuntimeError:
             # data-dependent output shapes: PyTorch's meta kernel can refuse them
-            if not self.lowering.dynamic_shape:
+            if not self.lowering.has_dynamic_shape(vals):
                 raise
         fn = _compile(self.lowering, self.sig, vals[: self.n_inputs], self._static_positions, expected)
         self.cache[key] = fn
@@ -387,7 +387,7 @@ def _compile(lowering, sig, vals, static_positions, expected):
             ) + outs[len(expected):]
         return outs
 
-    if lowering.dynamic_shape:
+    if lowering.has_dynamic_shape(vals):
         return run
     return jax.jit(run)
 

@@ -31,6 +31,7 @@ def compile_stats() -> dict:
     from .. import compile_cache
 
     return {
+        **{key: 0 for key in ("graphs", "eager_graphs", "recompiles", "xla_compiles", "calls", "compile_seconds")},
         **stats,
         "eager_fallback_reasons": list(eager_fallback_reasons),
         "recompile_reasons": list(recompile_reasons),

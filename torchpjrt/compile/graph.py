@@ -25,7 +25,7 @@ def unsupported_ops(gm: torch.fx.GraphModule):
     for node in gm.graph.nodes:
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
             lowering = TABLE.get(node.target)
-            if lowering is None or lowering.dynamic_shape:
+            if lowering is None or lowering.has_dynamic_shape(_meta_values(node.args)) or _leaves_pjrt(node):
                 missing.add(str(node.target))
         elif node.op == "call_function" and node.target is not operator.getitem:
             missing.add(str(node.target))
@@ -34,6 +34,18 @@ def unsupported_ops(gm: torch.fx.GraphModule):
                 continue
             missing.add(f"{node.op}:{node.target}")
     return sorted(missing)
+
+
+def _leaves_pjrt(node):
+    """A copy to another device (`.cpu()` in a compiled function) cannot be a value of the
+    JAX program."""
+    device = node.kwargs.get("device") if node.target is torch.ops.aten._to_copy.default else None
+    return device is not None and torch.device(device).type != "pjrt"
+
+
+def _meta_values(args):
+    """A node's arguments with other nodes replaced by their example (fake) values."""
+    return torch.fx.node.map_arg(args, lambda n: n.meta.get("val"))
 
 
 def _expected_dtypes(node):

@@ -15,7 +15,9 @@ Options:
   mutates=("self",)     for mutating overloads: the function returns the new values of
                         these arguments (after any regular outputs).
   dynamic_shape=True    the output shape depends on values (nonzero, unique): run
-                        without jit on concrete arrays.
+                        without jit on concrete arrays. A predicate of the aten
+                        arguments instead of True says per call (x[mask] is dynamic,
+                        x[indices] is not).
   view=True             a view op's value semantics, for graph paths (compile, fused).
                         Eager execution never uses these: eager views alias storage
                         through the generic view kernel in dispatch.py.
@@ -41,9 +43,15 @@ class Lowering:
     static: frozenset = frozenset()
     random: bool = False
     mutates: tuple = ()
-    dynamic_shape: bool = False
+    dynamic_shape: bool | Callable = False
     view: bool = False
     graph_only: bool = False
+
+    def has_dynamic_shape(self, args) -> bool:
+        """Whether this call's output shape depends on values; `args` are the aten arguments
+        (real or fake tensors, in schema order)."""
+        d = self.dynamic_shape
+        return bool(d(*args)) if callable(d) else d
 
     @property
     def eager(self) -> bool:
@@ -82,6 +90,7 @@ _FAMILIES = (
     "fft",
     "special",
     "distance",
+    "amp",
 )
 
 

@@ -205,8 +205,8 @@ for _op, _fn in [
 for _op, _fn in [
     (aten.neg.default, jnp.negative),
     (aten.abs.default, jnp.abs),
-    (aten.sign.default, jnp.sign),
-    (aten.sgn.default, jnp.sign),
+    (aten.sign.default, lambda x: x if _is_bool(x) else jnp.sign(x)),
+    (aten.sgn.default, lambda x: x if _is_bool(x) else jnp.sign(x)),
     (aten.floor.default, lambda x: jnp.floor(x) if _is_float(x) else x),
     (aten.ceil.default, lambda x: jnp.ceil(x) if _is_float(x) else x),
     (aten.trunc.default, lambda x: jnp.trunc(x) if _is_float(x) else x),
@@ -306,31 +306,37 @@ def where(condition, self, other):
 def clamp(self, min=None, max=None):
     if min is None and max is None:
         raise RuntimeError("torch.clamp: At least one of 'min' or 'max' must not be None")
+    # maximum/minimum propagate NaN from the bounds too, as CPU does
     x = self
     if min is not None:
-        x = jnp.maximum(x, min) if not _is_float(x) else jnp.where(x < min, min, x)
+        x = jnp.maximum(x, min)
     if max is not None:
-        x = jnp.minimum(x, max) if not _is_float(x) else jnp.where(x > max, max, x)
+        x = jnp.minimum(x, max)
     return x
 
 
 @lower(aten.clamp_min.default, aten.clamp_min.Tensor)
 def clamp_min(self, min):
-    return jnp.where(self < min, min, self)
+    return jnp.maximum(self, min)
 
 
 @lower(aten.clamp_max.default, aten.clamp_max.Tensor)
 def clamp_max(self, max):
-    return jnp.where(self > max, max, self)
+    return jnp.minimum(self, max)
 
 
 @lower(aten.lerp.Scalar, aten.lerp.Tensor)
 def lerp(self, end, weight):
-    return self + weight * (end - self)
+    # CPU's formula: from `end` when |weight| >= 0.5 (exact at weight 1; infinities as CPU)
+    diff = end - self
+    return jnp.where(jnp.abs(weight) < 0.5, self + weight * diff, end - diff * (1 - weight))
 
 
 @lower(aten.addcmul.default)
 def addcmul(self, tensor1, tensor2, value=1):
+    dtype = jnp.result_type(self, tensor1, tensor2)
+    if not jnp.issubdtype(dtype, jnp.inexact):
+        value = jnp.asarray(value).astype(dtype)  # CPU truncates the scalar to the integer type first
     return self + value * tensor1 * tensor2
 
 

@@ -22,6 +22,13 @@ def schema_dtype(dtype):
     return torch.int64 if dtype == 4 and not isinstance(dtype, torch.dtype) else dtype
 
 
+@lower(aten._to_copy.default, graph_only=True)
+def to_copy(self, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
+    """Casts in compiled graphs (autocast's among them). Eager keeps dispatch.k_to_copy; a copy
+    to another device makes the graph run eagerly (compile/graph.py)."""
+    return self if dtype is None else self.astype(dtypes.to_jax(schema_dtype(dtype)))
+
+
 def _default_float(dtype):
     return dtypes.to_jax(dtype or torch.get_default_dtype())
 

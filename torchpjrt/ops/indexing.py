@@ -15,6 +15,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import torch
 from jax import lax
 
 from . import aten, lower
@@ -40,7 +41,12 @@ def _take_indexed(self, indices):
     return self[_index_tuple(indices)]
 
 
-@lower(aten.index.Tensor, aten._unsafe_index.Tensor, dynamic_shape=True)
+def _has_mask(self, indices):
+    """x[mask] selects a data-dependent number of elements; x[indices] has a known shape."""
+    return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices)
+
+
+@lower(aten.index.Tensor, aten._unsafe_index.Tensor, dynamic_shape=_has_mask)
 def index(self, indices):
     indices = list(indices)
     if any(_is_mask(i) for i in indices):
@@ -101,13 +107,18 @@ def _pad_axis(x, axis, n):
     return jnp.pad(x, pad)
 
 
+def _add(dtype):
+    """The accumulating scatter update: add, or max for bool (CPU's `bool += bool` is an or)."""
+    return "max" if dtype == jnp.bool_ else "add"
+
+
 def _index_put(self, indices, values, accumulate):
     indices = list(indices)
     values = jnp.asarray(values).astype(self.dtype)
     if any(_is_mask(i) for i in indices):
         indices, values = _padded_masks(self, indices, values)
     ref = self.at[_index_tuple(indices)]
-    return ref.add(values, mode="drop") if accumulate else ref.set(values, mode="drop")
+    return getattr(ref, _add(self.dtype) if accumulate else "set")(values, mode="drop")
 
 
 @lower(aten.index_put.default)
@@ -161,7 +172,7 @@ def _index_update(self, dim, index, source, how):
 def index_add(self, dim, index, source, alpha=1):
     if not (isinstance(alpha, int) and alpha == 1):
         source = source * alpha
-    return _index_update(self, dim, index, source, "add")
+    return _index_update(self, dim, index, source, _add(self.dtype))
 
 
 @lower(aten.index_copy.default)
@@ -227,7 +238,7 @@ def scatter_reduce_legacy(self, dim, index, src, reduce):
 
 @lower(aten.scatter_add.default)
 def scatter_add(self, dim, index, src):
-    return _scatter(self, dim, index, src, "add")
+    return _scatter(self, dim, index, src, _add(self.dtype))
 
 
 def _identity(reduce, dtype):
@@ -326,7 +337,7 @@ def take(self, index):
 def put(self, index, source, accumulate=False):
     ref = self.reshape(-1).at[index.reshape(-1)]
     src = source.reshape(-1).astype(self.dtype)
-    return (ref.add(src) if accumulate else ref.set(src)).reshape(self.shape)
+    return getattr(ref, _add(self.dtype) if accumulate else "set")(src).reshape(self.shape)
 
 
 # ---- sorting and selection ------------------------------------------------------------------
