@@ -4,6 +4,7 @@ The baseline (tests/opinfo_baseline.json) lists the ops that passed when it was 
 an op that stops passing fails here. Regenerate after adding lowerings with:
     python -m torchpjrt.conformance --write-baseline tests/opinfo_baseline.json
     python -m torchpjrt.conformance --grad --write-baseline tests/opinfo_baseline.json
+    python -m torchpjrt.conformance --error-inputs --write-baseline tests/opinfo_baseline.json
 """
 
 import json
@@ -37,4 +38,11 @@ def test_forward_float32(key):
 @pytest.mark.parametrize("key", _cases("backward"))
 def test_backward_float32(key):
     status, detail = conformance.check_op(_BY_KEY[key], torch.float32, grad=True, max_samples=MAX_SAMPLES)
+    assert status == "pass", detail
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", [k for k in BASELINE.get("error_inputs", []) if k in _BY_KEY])
+def test_error_inputs_raise_the_cpu_exception_type(key):
+    status, detail, same, total = conformance.check_error_inputs(_BY_KEY[key])
     assert status == "pass", detail

@@ -1,9 +1,14 @@
 """OpInfo conformance: run PyTorch's own op_db samples on CPU and on pjrt, compare.
 
     python -m torchpjrt.conformance --only add,mul --dtype float32 [--grad] [--json out.json]
+    python -m torchpjrt.conformance --error-inputs      # exception parity on OpInfo error_inputs
+
+Each op's result also names the aten ops its samples reached only through a torch._decomp
+decomposition (no lowering of their own).
 """
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -13,6 +18,7 @@ import warnings
 import torch
 
 import torchpjrt  # noqa: F401  (registers the device)
+from torchpjrt import dispatch
 
 # Ops whose samples are random by nature: compared by statistics, not values.
 RANDOM_OPS = {
@@ -170,6 +176,72 @@ def check_op(opinfo, dtype=torch.float32, grad=False, max_samples=None):
     return "pass", f"{n} samples"
 
 
+def check_error_inputs(opinfo):
+    """Exception parity on the op's OpInfo `error_inputs`: ('pass' | 'mismatch' | 'skip',
+    detail, same, total). An input counts when the CPU raises the error type OpInfo expects;
+    it matches when pjrt raises that type too (never a crash, another type, or no error)."""
+    if opinfo.error_inputs_func is None:
+        return "skip", "no error_inputs", 0, 0
+    try:
+        error_inputs = list(opinfo.error_inputs("cpu"))
+    except Exception as e:  # noqa: BLE001
+        return "skip", f"error_inputs generation failed: {e}", 0, 0
+    same, total, first_miss = 0, 0, None
+    for ei in error_inputs:
+        sample, expected_type = ei.sample_input, ei.error_type
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                opinfo.op(sample.input, *sample.args, **sample.kwargs)
+                continue  # this build's CPU accepts it: not an error case here
+            except expected_type:
+                pass
+            except Exception:  # noqa: BLE001 - the CPU raised something else: not comparable
+                continue
+            total += 1
+            try:
+                opinfo.op(_to(sample.input, "pjrt"), *_to(sample.args, "pjrt"), **_to(sample.kwargs, "pjrt"))
+                outcome = "no error"
+            except expected_type:
+                same += 1
+                continue
+            except Exception as e:  # noqa: BLE001
+                outcome = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        if first_miss is None:
+            first_miss = f"{_describe(sample)}: expected {expected_type.__name__}, got {outcome}"
+    if total == 0:
+        return "skip", "no error input raises on this CPU build", 0, 0
+    if same == total:
+        return "pass", f"{total} error inputs", same, total
+    return "mismatch", f"{same}/{total} same type; {first_miss}", same, total
+
+
+def family(key: str) -> str:
+    """The namespace an OpInfo lives in (nn.functional, linalg, special, fft, ...)."""
+    name = _names_by_key().get(key, key)
+    head, dot, _ = name.partition(".")
+    if not dot:
+        return "torch"
+    return "nn.functional" if name.startswith("nn.functional.") else head
+
+
+@functools.lru_cache(maxsize=1)
+def _names_by_key():
+    return {op_key(o): o.name for o in op_db()}
+
+
+def print_family_table(res: dict) -> None:
+    rows = {}
+    for key, r in res.items():
+        counts = rows.setdefault(family(key), {})
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    print(f"  {'family':16s}{'pass':>6s}{'mismatch':>10s}{'error':>7s}{'skip':>6s}{'pass %':>8s}")
+    for fam, c in sorted(rows.items(), key=lambda kv: -sum(kv[1].values())):
+        ran = c.get("pass", 0) + c.get("mismatch", 0) + c.get("error", 0)
+        pct = f"{100.0 * c.get('pass', 0) / ran:.1f}" if ran else "-"
+        print(f"  {fam:16s}{c.get('pass', 0):6d}{c.get('mismatch', 0):10d}{c.get('error', 0):7d}{c.get('skip', 0):6d}{pct:>8s}")
+
+
 def _short_tb():
     tb = traceback.format_exc().strip().splitlines()
     return "\n".join(tb[-6:])
@@ -202,12 +274,16 @@ def main(argv=None):
     p.add_argument("--max-samples", type=int, default=None)
     p.add_argument("--write-baseline", default=None, metavar="PATH",
                    help="write the names of passing ops (the regression baseline CI checks)")
+    p.add_argument("--error-inputs", action="store_true",
+                   help="check that OpInfo error_inputs raise the same exception type as on CPU")
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)
     only = set(filter(None, a.only.split(",")))
     dtype_names = list(DTYPES) if a.dtype == "all" else [a.dtype]
     results = {}
     t0 = time.time()
+    if a.error_inputs:
+        return _error_inputs_sweep(only, a.json, a.verbose, t0, a.write_baseline)
     for dname in dtype_names:
         dt = DTYPES[dname]
         for n, opinfo in enumerate(op_db()):
@@ -216,8 +292,10 @@ def main(argv=None):
             key = op_key(opinfo)
             if only and opinfo.name not in only and key not in only:
                 continue
+            before = dict(dispatch.decomposed_counts)
             status, detail = check_op(opinfo, dt, a.grad, a.max_samples)
-            results.setdefault(dname, {})[key] = {"status": status, "detail": detail}
+            decomposed = sorted(k for k, v in dispatch.decomposed_counts.items() if v > before.get(k, 0))
+            results.setdefault(dname, {})[key] = {"status": status, "detail": detail, "decomposed": decomposed}
             if a.verbose or status in ("mismatch", "error") and only:
                 print(f"{dname:9s} {key:45s} {status:9s} {detail.splitlines()[0] if detail else ''}")
     for dname, res in results.items():
@@ -227,22 +305,57 @@ def main(argv=None):
         ran = counts.get("pass", 0) + counts.get("mismatch", 0) + counts.get("error", 0)
         pct = 100.0 * counts.get("pass", 0) / ran if ran else 0.0
         print(f"{dname}{' grad' if a.grad else ''}: {counts} -> {pct:.1f}% of {ran} ops pass")
+        print_family_table(res)
+        via = sorted(k for k, r in res.items() if r["status"] == "pass" and r["decomposed"])
+        aten_ops = sorted({op for k in via for op in res[k]["decomposed"]})
+        print(f"  {len(via)} passing ops reach {len(aten_ops)} aten ops only through torch._decomp decompositions:")
+        print("    " + ", ".join(aten_ops))
     print(f"wall time {time.time() - t0:.0f}s")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1, sort_keys=True)
     if a.write_baseline:
         kind = "backward" if a.grad else "forward"
-        try:
-            with open(a.write_baseline) as f:
-                baseline = json.load(f)
-        except FileNotFoundError:
-            baseline = {}
-        for dname, res in results.items():
-            baseline[f"{kind}_{dname}"] = sorted(k for k, r in res.items() if r["status"] == "pass")
-        with open(a.write_baseline, "w") as f:
-            json.dump(baseline, f, indent=1, sort_keys=True)
+        _update_baseline(a.write_baseline, {f"{kind}_{dname}": sorted(k for k, r in res.items() if r["status"] == "pass")
+                                            for dname, res in results.items()})
     return 0
+
+
+def _error_inputs_sweep(only, json_path, verbose, t0, baseline_path=None):
+    results, same, total = {}, 0, 0
+    for opinfo in op_db():
+        key = op_key(opinfo)
+        if only and opinfo.name not in only and key not in only:
+            continue
+        status, detail, s, n = check_error_inputs(opinfo)
+        results[key] = {"status": status, "detail": detail, "same": s, "total": n}
+        same, total = same + s, total + n
+        if verbose or status == "mismatch":
+            print(f"{key:45s} {status:9s} {detail}")
+    ops = [r for r in results.values() if r["status"] != "skip"]
+    n_pass = sum(r["status"] == "pass" for r in ops)
+    print(f"error_inputs: {same}/{total} error inputs raise the CPU's exception type on pjrt "
+          f"({100.0 * same / max(total, 1):.1f}%); {n_pass}/{len(ops)} ops with all of them "
+          f"({100.0 * n_pass / max(len(ops), 1):.1f}%)")
+    print_family_table(results)
+    print(f"wall time {time.time() - t0:.0f}s")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"error_inputs": results}, f, indent=1, sort_keys=True)
+    if baseline_path:
+        _update_baseline(baseline_path, {"error_inputs": sorted(k for k, r in results.items() if r["status"] == "pass")})
+    return 0
+
+
+def _update_baseline(path, entries):
+    try:
+        with open(path) as f:
+            baseline = json.load(f)
+    except FileNotFoundError:
+        baseline = {}
+    baseline.update(entries)
+    with open(path, "w") as f:
+        json.dump(baseline, f, indent=1, sort_keys=True)
 
 
 if __name__ == "__main__":

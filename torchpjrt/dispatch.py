@@ -28,6 +28,7 @@ aten = torch.ops.aten
 
 stats = Counter()  # ops dispatched per path, shown by torchpjrt.op_stats()
 cpu_fallback_counts = Counter()
+decomposed_counts = Counter()  # aten ops run through a torch._decomp decomposition, by name
 _warned_fallback = set()
 _tls = threading.local()
 
@@ -696,6 +697,7 @@ def _slow_path(op, args, kwargs):
             result = decomp(*args, **kwargs)
             if result is not NotImplemented:  # some decompositions decline some inputs
                 stats["decomposed"] += 1
+                decomposed_counts[str(op)] += 1
                 return result
         functional = _functional_of(op)
         if functional is not None and functional not in active:

@@ -37,9 +37,20 @@ def _expand(v, n):
     return v * n if len(v) == 1 else v
 
 
+def _check_geometry(stride, padding, dilation):
+    """ATen's ConvParams checks (convolution.default skips the composite that makes them)."""
+    if any(p < 0 for p in padding):
+        raise RuntimeError("negative padding is not supported")
+    if any(s <= 0 for s in stride):
+        raise RuntimeError("non-positive stride is not supported")
+    if any(d <= 0 for d in dilation):
+        raise RuntimeError("dilation should be greater than zero")
+
+
 def _conv(input, weight, stride, padding, dilation, transposed, output_padding, groups):
     n = input.ndim - 2
     stride, padding, dilation = _expand(stride, n), _expand(padding, n), _expand(dilation, n)
+    _check_geometry(stride, padding, dilation)
     kwargs = dict(
         dimension_numbers=_dimension_numbers(n),
         feature_group_count=groups,

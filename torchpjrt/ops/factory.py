@@ -62,6 +62,17 @@ def full(size, fill_value, dtype=None, layout=None, device=None, pin_memory=None
     return jnp.full(tuple(size), value, dtypes.to_jax(dtype) if dtype is not None else value.dtype)
 
 
+@lower(aten.full_like.default, graph_only=True)
+def full_like(self, fill_value, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return jnp.full(self.shape, fill_value, dtypes.to_jax(schema_dtype(dtype)) if dtype is not None else self.dtype)
+
+
+@lower(aten.copy.default, graph_only=True)
+def copy(self, src, non_blocking=False):
+    """The functional copy_ of compiled graphs: `src`'s values in `self`'s shape and dtype."""
+    return jnp.broadcast_to(src, self.shape).astype(self.dtype)
+
+
 @lower(aten.scalar_tensor.default, graph_only=True)
 def scalar_tensor(s, dtype=None, layout=None, device=None, pin_memory=None):
     return jnp.asarray(s, _default_float(dtype))

@@ -14,7 +14,7 @@ import numpy as np
 from jax import lax
 
 from ..dtypes import LOW_PRECISION
-from . import aten, lower
+from . import TABLE, aten, lower
 
 
 
@@ -1110,6 +1110,28 @@ _interp_ops(aten._upsample_bilinear2d_aa.default, aten._upsample_bilinear2d_aa_b
             _aa_taps(_aa_filter_linear, 2))
 _interp_ops(aten._upsample_bicubic2d_aa.default, aten._upsample_bicubic2d_aa_backward.default,
             _aa_taps(_aa_filter_cubic, 4))
+
+
+def _vec_output_size(x, output_size, scale_factors):
+    """The `.vec` overloads' size rule (PyTorch's compute_output_size): floor(size * scale)."""
+    n = len(output_size) if output_size is not None else len(scale_factors)
+    if output_size is not None:
+        return list(output_size), [None] * n
+    return [int(math.floor(s * f)) for s, f in zip(x.shape[-n:], scale_factors)], list(scale_factors)
+
+
+# Eager execution gets the `.vec` overloads decomposed (they are CompositeImplicit); compiled
+# graphs keep them as core aten ops.
+@lower(aten.upsample_nearest2d.vec, graph_only=True)
+def upsample_nearest2d_vec(input, output_size, scale_factors):
+    size, scales = _vec_output_size(input, output_size, scale_factors)
+    return TABLE[aten.upsample_nearest2d.default].fn(input, size, *scales)
+
+
+@lower(aten.upsample_bilinear2d.vec, graph_only=True)
+def upsample_bilinear2d_vec(input, output_size, align_corners, scale_factors):
+    size, scales = _vec_output_size(input, output_size, scale_factors)
+    return TABLE[aten.upsample_bilinear2d.default].fn(input, size, align_corners, *scales)
 
 
 # ---- im2col / col2im (F.unfold / F.fold) --------------------------------------------------

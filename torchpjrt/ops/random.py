@@ -105,6 +105,19 @@ def normal_tensor_tensor(mean, std, generator=None, key=None):
     return mean + std * jax.random.normal(key, shape, dt)
 
 
+# Eager execution gets these as empty + uniform_/normal_; compiled graphs keep them whole.
+@lower(aten.rand.default, random=True, graph_only=True)
+def rand(size, dtype=None, layout=None, device=None, pin_memory=None, key=None):
+    dtype = dtypes.to_jax(schema_dtype(dtype) if dtype is not None else torch.get_default_dtype())
+    return _draw(lambda k, shape, dt: jax.random.uniform(k, shape, dt), key, tuple(size), dtype).astype(dtype)
+
+
+@lower(aten.randn.default, random=True, graph_only=True)
+def randn(size, dtype=None, layout=None, device=None, pin_memory=None, key=None):
+    dtype = dtypes.to_jax(schema_dtype(dtype) if dtype is not None else torch.get_default_dtype())
+    return _normal(key, tuple(size), dtype, 0.0, 1.0).astype(dtype)
+
+
 @lower(aten.normal.float_float, random=True)
 def normal_float_float(mean, std, size, generator=None, dtype=None, layout=None, device=None,
                        pin_memory=None, key=None):
