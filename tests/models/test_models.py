@@ -14,6 +14,7 @@ import torch
 
 import torchpjrt
 from torchpjrt.bench import workloads
+from torchpjrt.compile import compile_stats
 
 pytestmark = pytest.mark.slow
 
@@ -77,8 +78,11 @@ def test_model_trains_like_cpu(name, mode):
     else:
         forward = model
         eager = torchpjrt.eager_mode(mode)
+    eager_graphs = compile_stats()["eager_graphs"]
     with eager:
         losses, (out, grads) = _train(model, w, batches, "pjrt", forward)
+    # every graph Dynamo captured became one XLA program: none fell back to eager execution
+    assert compile_stats()["eager_graphs"] == eager_graphs, compile_stats()["eager_fallback_reasons"]
 
     _close(out, cpu_out, "first step output")
     assert grads.keys() == cpu_grads.keys()

@@ -13,7 +13,7 @@ import torch
 
 from .. import dtypes, fusion, random_state, storage
 from ..dispatch import SCALAR, TENSOR, TENSOR_LIST, signature
-from ..ops import TABLE
+from ..ops import TABLE, lowering_for
 
 
 class UnsupportedGraph(Exception):
@@ -24,7 +24,7 @@ def unsupported_ops(gm: torch.fx.GraphModule):
     missing = set()
     for node in gm.graph.nodes:
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-            lowering = TABLE.get(node.target)
+            lowering = lowering_for(node.target)
             if lowering is None or lowering.has_dynamic_shape(_meta_values(node.args)) or _leaves_pjrt(node):
                 missing.add(str(node.target))
         elif node.op == "call_function" and node.target is not operator.getitem:

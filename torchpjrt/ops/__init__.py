@@ -61,6 +61,32 @@ class Lowering:
 
 TABLE: dict = {}
 
+# Lowerings of ops that other libraries define (`transformers::grouped_mm_fallback`), by
+# qualified overload name: such an op exists only once its library is imported, so it enters
+# TABLE when a graph first meets it (lowering_for).
+BY_NAME: dict = {}
+
+
+def lowering_for(op):
+    """TABLE's entry for `op`, registering a by-name lowering on first sight."""
+    found = TABLE.get(op)
+    if found is None and isinstance(op, torch._ops.OpOverload):
+        found = BY_NAME.get(f"{op._schema.name}.{op._overloadname}")
+        if found is not None:
+            TABLE[op] = found
+    return found
+
+
+def lower_by_name(*names, static=(), mutates=()):
+    """@lower for ops of other libraries, named like "transformers::grouped_mm_fallback.default".
+    They serve compiled graphs: eager execution runs the library's own implementation."""
+    def register(fn):
+        for name in names:
+            BY_NAME[name] = Lowering(fn, frozenset(static), mutates=tuple(mutates), graph_only=True)
+        return fn
+
+    return register
+
 
 def lower(*overloads, static=(), random=False, mutates=(), dynamic_shape=False, view=False, graph_only=False):
     def register(fn):
@@ -91,6 +117,7 @@ _FAMILIES = (
     "special",
     "distance",
     "amp",
+    "grouped_mm",
 )
 
 
