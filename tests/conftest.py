@@ -2,10 +2,20 @@ import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 import torchpjrt  # noqa: F401  (registers the pjrt device)
 
 DEV = "pjrt"
+
+# Hypothesis profiles (tests/test_fuzz.py): "ci" is deterministic and short; "long" explores
+# (`pytest tests/test_fuzz.py --hypothesis-profile=long`). Registered here so the option finds them.
+_FUZZ_HEALTH = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large,
+                HealthCheck.filter_too_much, HealthCheck.large_base_example]
+settings.register_profile("ci", derandomize=True, max_examples=300, deadline=None, print_blob=True,
+                          database=None, suppress_health_check=_FUZZ_HEALTH)
+settings.register_profile("long", max_examples=5000, deadline=None, print_blob=True,
+                          suppress_health_check=_FUZZ_HEALTH)
 
 
 def to_dev(x):

@@ -22,40 +22,97 @@ def _is_bool(x):
     return jnp.result_type(x) == jnp.bool_
 
 
+def _sign(x):
+    # CPU's (0 < x) - (x < 0): NaN -> 0 and -0.0 -> 0.0 (jnp.sign keeps both); bool -> itself
+    if _is_bool(x) or jnp.iscomplexobj(x):
+        return x if _is_bool(x) else jnp.sign(x)
+    return (x > 0).astype(x.dtype) - (x < 0).astype(x.dtype)
+
+
+def _heaviside(x, values):
+    # CPU's x == 0 ? values : x > 0, so a NaN input gives 0 (jnp.heaviside gives NaN)
+    return jnp.where(x == 0, values, (x > 0).astype(jnp.result_type(x, values)))
+
+
+def _same_dtypes(name, x, other):
+    """`other`, after checking it has x's dtype (ops whose CPU kernel does not promote)."""
+    if jnp.result_type(x) != jnp.result_type(other):
+        raise RuntimeError(f"{name} is not yet implemented for tensors with different dtypes.")
+    return other
+
+
 def _scaled(other, alpha):
     if isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and alpha == 1:
         return other
     return other * alpha
 
 
+def _check_alpha(self, other, alpha):
+    """CPU's alpha_check, against the result type."""
+    dtype = jnp.result_type(self, other)
+    kind = jnp.result_type(alpha) if alpha is not None else None
+    if kind == jnp.bool_ and dtype != jnp.bool_:
+        raise RuntimeError("Boolean alpha only supported for Boolean results.")
+    if kind is not None and jnp.issubdtype(kind, jnp.inexact) and not jnp.issubdtype(dtype, jnp.inexact):
+        raise RuntimeError("For integral input tensors, argument alpha must not be a floating point number.")
+
+
 @lower(aten.add.Tensor, aten.add.Scalar)
 def add(self, other, alpha=1):
+    _check_alpha(self, other, alpha)
     if _is_bool(self) and _is_bool(other):
         return jnp.logical_or(self, other)
     return self + _scaled(other, alpha)
 
 
+def _no_bool_sub(self, other):
+    if _is_bool(self) or _is_bool(other):
+        raise RuntimeError(
+            "Subtraction, the `-` operator, with a bool tensor is not supported. If you are trying to "
+            "invert a mask, use the `~` or `logical_not()` operator instead.")
+
+
 @lower(aten.sub.Tensor, aten.sub.Scalar)
 def sub(self, other, alpha=1):
+    _no_bool_sub(self, other)
+    _check_alpha(self, other, alpha)
     return self - _scaled(other, alpha)
 
 
 @lower(aten.rsub.Tensor, aten.rsub.Scalar)
 def rsub(self, other, alpha=1):
+    _no_bool_sub(self, other)
     return other - _scaled(self, alpha)
+
+
+def _bool_as_number(x, other):
+    """A bool operand of a product or quotient as 0/1 in the other operand's type. Left bool,
+    jnp and XLA turn x * b into select(b, x, 0) (and b / x into select(b, 1 / x, 0)), which
+    gives 0 where CPU gives inf * 0 = nan (or 0 / 0 = nan)."""
+    if not _is_bool(x) or _is_bool(other):
+        return x
+    return jnp.asarray(x).astype(jnp.int32).astype(jnp.result_type(other))
 
 
 @lower(aten.mul.Tensor, aten.mul.Scalar)
 def mul(self, other):
     if _is_bool(self) and _is_bool(other):
         return jnp.logical_and(self, other)
-    return self * other
+    return _bool_as_number(self, other) * _bool_as_number(other, self)
+
+
+def _to_float32(x):
+    # bool goes through int32: XLA rewrites convert(bool a) / b as select(a, 1 / b, 0), which
+    # gives 0 where CPU gives 0 / 0 = nan
+    x = jnp.asarray(x)
+    return (x.astype(jnp.int32) if _is_bool(x) else x).astype(jnp.float32)
 
 
 def _true_div(a, b):
+    a, b = _bool_as_number(a, b), _bool_as_number(b, a)
     if not _is_float(a) and not _is_float(b):
-        a = jnp.asarray(a).astype(jnp.float32) if not isinstance(a, (int, float)) else float(a)
-        b = jnp.asarray(b).astype(jnp.float32) if not isinstance(b, (int, float)) else float(b)
+        a = _to_float32(a) if not isinstance(a, (int, float)) else float(a)
+        b = _to_float32(b) if not isinstance(b, (int, float)) else float(b)
     return jnp.true_divide(a, b)
 
 
@@ -71,7 +128,8 @@ def div_mode(self, other, rounding_mode=None):
     if rounding_mode == "trunc":
         if _is_float(self) or _is_float(other):
             return jnp.trunc(jnp.true_divide(self, other))
-        return lax.div(*jnp.broadcast_arrays(self, jnp.asarray(other, jnp.result_type(self))))
+        dtype = jnp.result_type(self, other)  # bool / int64 divides as int64, not as bool
+        return lax.div(*jnp.broadcast_arrays(jnp.asarray(self).astype(dtype), jnp.asarray(other).astype(dtype)))
     if rounding_mode == "floor":
         return _floor_divide(self, other)
     raise ValueError(f"div expected rounding_mode to be one of None, 'trunc', or 'floor' but found '{rounding_mode}'")
@@ -122,6 +180,9 @@ def pow_st(self, exponent):
 
 
 def _pow(a, b):
+    if _is_bool(a):  # a bool base powers as 0/1, in the result type (bool for a bool exponent)
+        dtype = jnp.result_type(a, b)
+        return _pow(jnp.asarray(a).astype(jnp.int64), b).astype(dtype)
     if not _is_float(a) and not _is_float(b) and not isinstance(b, float):
         if isinstance(b, int) and b >= 0:
             return lax.integer_pow(a, b)
@@ -205,8 +266,8 @@ for _op, _fn in [
 for _op, _fn in [
     (aten.neg.default, jnp.negative),
     (aten.abs.default, jnp.abs),
-    (aten.sign.default, lambda x: x if _is_bool(x) else jnp.sign(x)),
-    (aten.sgn.default, lambda x: x if _is_bool(x) else jnp.sign(x)),
+    (aten.sign.default, lambda x: _sign(x)),
+    (aten.sgn.default, lambda x: _sign(x)),
     (aten.floor.default, lambda x: jnp.floor(x) if _is_float(x) else x),
     (aten.ceil.default, lambda x: jnp.ceil(x) if _is_float(x) else x),
     (aten.trunc.default, lambda x: jnp.trunc(x) if _is_float(x) else x),
@@ -263,7 +324,7 @@ for _op, _fn in [
     (aten.xlogy.Scalar_Self, jax.scipy.special.xlogy),
     (aten.xlogy.Scalar_Other, jax.scipy.special.xlogy),
     (aten.special_xlog1py.default, jax.scipy.special.xlog1py),
-    (aten.heaviside.default, jnp.heaviside),
+    (aten.heaviside.default, lambda x, values: _heaviside(x, _same_dtypes("heaviside", x, values))),
     (aten.fmax.default, jnp.fmax),
     (aten.fmin.default, jnp.fmin),
     (aten.maximum.default, jnp.maximum),
@@ -328,6 +389,9 @@ def clamp_max(self, max):
 @lower(aten.lerp.Scalar, aten.lerp.Tensor)
 def lerp(self, end, weight):
     # CPU's formula: from `end` when |weight| >= 0.5 (exact at weight 1; infinities as CPU)
+    if _is_bool(self):  # bool self and end with a float weight tensor: computed as numbers
+        dtype = jnp.result_type(self, end, weight)
+        self, end = self.astype(jnp.int32).astype(dtype), jnp.asarray(end).astype(jnp.int32).astype(dtype)
     diff = end - self
     return jnp.where(jnp.abs(weight) < 0.5, self + weight * diff, end - diff * (1 - weight))
 
@@ -337,11 +401,14 @@ def addcmul(self, tensor1, tensor2, value=1):
     dtype = jnp.result_type(self, tensor1, tensor2)
     if not jnp.issubdtype(dtype, jnp.inexact):
         value = jnp.asarray(value).astype(dtype)  # CPU truncates the scalar to the integer type first
-    return self + value * tensor1 * tensor2
+    return self + value * mul(tensor1, tensor2)
 
 
 @lower(aten.addcdiv.default)
 def addcdiv(self, tensor1, tensor2, value=1):
+    if not (_is_float(tensor1) or _is_float(tensor2)):
+        raise RuntimeError("Integer division with addcdiv is no longer supported, and in a future "
+                           "release addcdiv will perform a true division of tensor1 and tensor2.")
     return self + value * (tensor1 / tensor2)
 
 

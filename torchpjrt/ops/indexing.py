@@ -112,8 +112,18 @@ def _add(dtype):
     return "max" if dtype == jnp.bool_ else "add"
 
 
+def _check_index_put_dtype(self, indices, values, accumulate):
+    # CPU casts only on its masked_fill path: one bool mask (other entries None), one value
+    masked_fill = (not accumulate and values.size == 1 and sum(_is_mask(i) for i in indices) == 1
+                   and all(i is None or _is_mask(i) for i in indices))
+    if values.dtype != self.dtype and not getattr(values, "weak_type", False) and not masked_fill:
+        raise RuntimeError("Index put requires the source and destination dtypes match, got "
+                           f"{self.dtype} for the destination and {values.dtype} for the source.")
+
+
 def _index_put(self, indices, values, accumulate):
     indices = list(indices)
+    _check_index_put_dtype(self, indices, jnp.asarray(values), accumulate)
     values = jnp.asarray(values).astype(self.dtype)
     if any(_is_mask(i) for i in indices):
         indices, values = _padded_masks(self, indices, values)
@@ -289,9 +299,16 @@ def index_reduce(self, dim, index, source, reduce, include_self=True):
 # ---- masks ---------------------------------------------------------------------------------------
 
 
+def _broadcast_shapes(name, a, b):
+    try:
+        return jnp.broadcast_shapes(a, b)
+    except ValueError as e:  # PyTorch's broadcasting error is a RuntimeError
+        raise RuntimeError(f"{name}: shapes {tuple(a)} and {tuple(b)} are not broadcastable") from e
+
+
 @lower(aten.masked_scatter.default)
 def masked_scatter(self, mask, source):
-    shape = jnp.broadcast_shapes(self.shape, mask.shape)
+    shape = _broadcast_shapes("masked_scatter", self.shape, mask.shape)
     flat_mask = jnp.broadcast_to(mask, shape).reshape(-1)
     flat = jnp.broadcast_to(self, shape).reshape(-1)
     src = source.reshape(-1).astype(self.dtype)
@@ -305,7 +322,7 @@ def masked_scatter(self, mask, source):
 
 @lower(aten.masked_select.default, dynamic_shape=True)
 def masked_select(self, mask):
-    shape = jnp.broadcast_shapes(self.shape, mask.shape)
+    shape = _broadcast_shapes("masked_select", self.shape, mask.shape)
     return jnp.broadcast_to(self, shape)[jnp.broadcast_to(mask, shape)]
 
 

@@ -23,6 +23,14 @@ HIGHEST = lax.Precision.HIGHEST
 # ---- helpers --------------------------------------------------------------------------------
 
 
+def _same_dtype(name, *arrays):
+    """CPU's BLAS products take one dtype: mixed operands raise, nothing is promoted."""
+    dtypes = [jnp.result_type(a) for a in arrays]
+    if any(d != dtypes[0] for d in dtypes):
+        raise RuntimeError(f"{name}: expected all operands to have the same dtype, but got "
+                           + ", ".join(str(d) for d in dtypes))
+
+
 def _matmul(a, b):
     low = jnp.result_type(a, b) in LOW_PRECISION
     return jnp.matmul(a, b, precision=HIGHEST, preferred_element_type=jnp.float32 if low else None)
@@ -133,21 +141,25 @@ def _empty(dtype):
 
 @lower(aten.mm.default)
 def mm(self, mat2):
+    _same_dtype("mm", self, mat2)
     return _matmul(self, mat2)
 
 
 @lower(aten.bmm.default)
 def bmm(self, mat2):
+    _same_dtype("bmm", self, mat2)
     return _matmul(self, mat2)
 
 
 @lower(aten.mv.default)
 def mv(self, vec):
+    _same_dtype("mv", self, vec)
     return _matmul(self, vec)
 
 
 @lower(aten.dot.default)
 def dot(self, tensor):
+    _same_dtype("dot", self, tensor)
     return _matmul(self, tensor)
 
 
@@ -158,11 +170,13 @@ def vdot(self, other):
 
 @lower(aten.addmm.default)
 def addmm(self, mat1, mat2, beta=1, alpha=1):
+    _same_dtype("addmm", self, mat1, mat2)
     return _scaled_sum(self, _matmul(mat1, mat2), beta, alpha)
 
 
 @lower(aten.baddbmm.default)
 def baddbmm(self, batch1, batch2, beta=1, alpha=1):
+    _same_dtype("baddbmm", self, batch1, batch2)
     return _scaled_sum(self, _matmul(batch1, batch2), beta, alpha)
 
 
@@ -188,6 +202,7 @@ def _addbmm_rounded(self, batch1, batch2, beta, alpha):
 
 @lower(aten.addmv.default)
 def addmv(self, mat, vec, beta=1, alpha=1):
+    _same_dtype("addmv", self, mat, vec)
     return _scaled_sum(self, _matmul(mat, vec), beta, alpha)
 
 

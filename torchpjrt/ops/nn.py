@@ -43,6 +43,8 @@ def _grad_scale(grad, reduction, numel):
 
 @lower(aten.relu.default)
 def relu(self):
+    if self.dtype == jnp.bool_:
+        raise RuntimeError("Boolean inputs not supported for relu")
     return jnp.maximum(self, jnp.zeros((), self.dtype))
 
 

@@ -107,13 +107,21 @@ def prod_dim(self, dim, keepdim=False, dtype=None):
 # value: both as PyTorch.
 
 
+def _check_not_empty(x, name):
+    if x.size == 0:
+        raise RuntimeError(f"{name}(): Expected reduction dim to be specified for input.numel() == 0. "
+                           "Specify the reduction dim with the 'dim' argument.")
+
+
 @lower(aten.max.default)
 def max_(self):
+    _check_not_empty(self, "max")
     return jnp.max(self)
 
 
 @lower(aten.min.default)
 def min_(self):
+    _check_not_empty(self, "min")
     return jnp.min(self)
 
 
@@ -138,11 +146,15 @@ def _arg_extreme(x, dim, keepdim, argfn):
 
 @lower(aten.argmax.default)
 def argmax(self, dim=None, keepdim=False):
+    if self.dtype == jnp.bool_:
+        raise RuntimeError("argmax(): does not support bool input")
     return _arg_extreme(self, dim, keepdim, jnp.argmax)
 
 
 @lower(aten.argmin.default)
 def argmin(self, dim=None, keepdim=False):
+    if self.dtype == jnp.bool_:
+        raise RuntimeError("argmin(): does not support bool input")
     return _arg_extreme(self, dim, keepdim, jnp.argmin)
 
 
@@ -150,6 +162,9 @@ def _extreme_with_index(x, dim, keepdim, argfn):
     if x.ndim == 0:
         return x, jnp.zeros((), jnp.int64)
     axis = dim % x.ndim
+    if x.shape[axis] == 0:
+        name = "max" if argfn is jnp.argmax else "min"
+        raise IndexError(f"{name}(): Expected reduction dim {axis} to have non-zero size.")
     idx = argfn(x, axis=axis, keepdims=True)
     values = jnp.take_along_axis(x, idx, axis=axis)
     if not keepdim:
@@ -176,7 +191,9 @@ def aminmax(self, dim=None, keepdim=False):
 # ---- var / std ------------------------------------------------------------------------------
 
 
-def _var_mean(self, dim, correction, keepdim):
+def _var_mean(self, dim, correction, keepdim, name="std and var"):
+    if not jnp.issubdtype(self.dtype, jnp.inexact):
+        raise RuntimeError(f"{name} only support floating point and complex dtypes")
     x = _upcast(self)
     axes = _axes(x, dim)
     m = jnp.mean(x, axis=axes, keepdims=True)
@@ -200,12 +217,12 @@ def std(self, dim=None, correction=None, keepdim=False):
 
 @lower(aten.var_mean.correction)
 def var_mean(self, dim=None, correction=None, keepdim=False):
-    return _var_mean(self, dim, correction, keepdim)
+    return _var_mean(self, dim, correction, keepdim, "var_mean")
 
 
 @lower(aten.std_mean.correction)
 def std_mean(self, dim=None, correction=None, keepdim=False):
-    v, m = _var_mean(self, dim, correction, keepdim)
+    v, m = _var_mean(self, dim, correction, keepdim, "std_mean")
     return jnp.sqrt(v), m
 
 
