@@ -27,14 +27,17 @@ def _requested_platform():
 
 
 def jax_devices():
-    """The JAX devices of the chosen platform; `pjrt:N` is `jax_devices()[N]`."""
+    """This process's JAX devices of the chosen platform; `pjrt:N` is `jax_devices()[N]`.
+
+    Local devices, not `jax.devices()`: under JAX's multi-process runtime (torch.distributed)
+    the global list holds every process's devices, and a tensor can live only on our own."""
     global _devices
     if _devices is None:
         with _lock:
             if _devices is None:
                 platform = _requested_platform()
                 try:
-                    devs = jax.devices(platform) if platform else jax.devices()
+                    devs = jax.local_devices(backend=platform)
                 except RuntimeError as e:
                     raise RuntimeError(
                         f"torchpjrt: TORCHPJRT_PLATFORM={platform!r} is not available to JAX "
