@@ -12,6 +12,12 @@ compiled, the optimizer step eager).
    and inductor, each with an empty cache directory.
 3. Warm start: the same first step in a second fresh process that finds the persistent
    compilation cache the cold one wrote, as a fraction of the cold time.
+4. Buffer donation (options={"donate": True}): peak resident memory of a fresh process running
+   a compiled SGD-with-momentum update of 256 MiB of parameters, with and without donation.
+5. Shape buckets (options={"buckets": ...}): XLA programs compiled for a small transformer
+   trained on 12 different sequence lengths, with dynamic=True alone and with buckets.
+
+    python benchmarks/compile.py --parts donation,buckets   # only some parts (steady,cold,donation,buckets)
 """
 
 import argparse
@@ -77,6 +83,86 @@ def first_step_child(target):
                       "cache_hits": stats["persistent_cache_hits"], "cache_misses": stats["persistent_cache_misses"]}))
 
 
+DONATION_CHILD = r"""
+import json, resource, sys, torch, torchpjrt
+donate = sys.argv[1] == "1"
+params = [torch.randn(16 << 20, device="pjrt") for _ in range(4)]     # 4 x 64 MiB
+momenta = [torch.zeros_like(p) for p in params]
+grads = [torch.randn_like(p) for p in params]
+torch.pjrt.synchronize()
+
+@torch.compile(backend="pjrt", options={"donate": donate})
+def update(params, momenta, grads):
+    for p, m, g in zip(params, momenta, grads):
+        m.mul_(0.9).add_(g)
+        p.sub_(0.01 * m)
+
+update(params, momenta, grads)   # compiles
+torch.pjrt.synchronize()
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+for _ in range(3):
+    update(params, momenta, grads)
+    torch.pjrt.synchronize()
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+from torchpjrt.compile import compile_stats
+print(json.dumps({"peak_mib": peak / 1024, "growth_mib": (peak - base) / 1024,
+                  "donated": compile_stats()["donated_buffers"]}))
+"""
+
+
+def donation_memory():
+    rows = {}
+    for donate in ("0", "1"):
+        out = subprocess.run([sys.executable, "-c", DONATION_CHILD, donate], capture_output=True, text=True,
+                             timeout=600)
+        if out.returncode != 0:
+            raise RuntimeError(f"donation child failed:\n{out.stderr[-3000:]}")
+        rows[donate] = json.loads(out.stdout.strip().splitlines()[-1])
+    print("compiled SGD-momentum update of 256 MiB of parameters (+256 MiB momenta), peak RSS of the process:")
+    for donate, label in (("0", "without donation"), ("1", "donate=True")):
+        r = rows[donate]
+        print(f"  {label:17s} peak {r['peak_mib']:7.0f} MiB   (+{r['growth_mib']:5.0f} MiB over the first call; "
+              f"{r['donated']} buffers donated)")
+
+
+def bucket_compiles():
+    import torch
+    import torch.nn as nn
+
+    from torchpjrt.compile import compile_stats
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.qkv = nn.Embedding(100, 32), nn.Linear(32, 96)
+            self.norm, self.head = nn.LayerNorm(32), nn.Linear(32, 1)
+
+        def forward(self, tokens, mask):
+            h = self.embed(tokens)
+            q, k, v = self.qkv(h).chunk(3, dim=-1)
+            scores = (q @ k.transpose(1, 2) / 32 ** 0.5).masked_fill(~mask[:, None, :], float("-inf"))
+            h = self.norm(h + scores.softmax(-1) @ v)
+            m = mask.unsqueeze(-1).to(h.dtype)
+            return self.head((h * m).sum(1) / m.sum(1)).square().mean()
+
+    lengths = [9, 14, 17, 23, 30, 31, 40, 47, 55, 60, 63, 64]
+    print(f"small transformer, forward+backward at {len(lengths)} sequence lengths (9..64):")
+    for label, options in (("dynamic=True", None), ("buckets pow2", {"buckets": "pow2"}),
+                           ("buckets [32, 64]", {"buckets": [32, 64]})):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Tiny().to("pjrt")
+        run = torch.compile(model, backend="pjrt", dynamic=True, options=options)
+        before, t0 = compile_stats(), time.perf_counter()
+        for n in lengths:
+            tokens = torch.randint(0, 100, (4, n), device="pjrt")
+            run(tokens, torch.ones(4, n, dtype=torch.bool, device="pjrt")).backward()
+        torch.pjrt.synchronize()
+        after = compile_stats()
+        print(f"  {label:17s} {after['xla_compiles'] - before['xla_compiles']:3d} XLA programs  "
+              f"{time.perf_counter() - t0:6.1f} s for the {len(lengths)} steps")
+
+
 def run_child(target, env):
     out = subprocess.run([sys.executable, __file__, "--child", target], capture_output=True, text=True, env=env,
                          timeout=1800)
@@ -89,15 +175,30 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--parts", default="steady,cold,donation,buckets")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         first_step_child(args.child)
         return
+    parts = set(args.parts.split(","))
 
     import torch
 
     import torchpjrt  # noqa: F401
+
+    if "steady" in parts:
+        steady_state(args)
+    if "cold" in parts:
+        cold_and_warm()
+    if "donation" in parts:
+        donation_memory()
+    if "buckets" in parts:
+        bucket_compiles()
+
+
+def steady_state(args):
+    import torch
 
     targets = ("cpu", "inductor", "pjrt-compile")
     steps = {t: make_step(t) for t in targets}
@@ -118,6 +219,8 @@ def main():
         print(f"  {t:14s} {med[t] * 1e3:9.1f} ms/step   {med[t] / med['cpu']:5.2f}x torch CPU eager")
     print(f"  pjrt compiled / inductor: {med['pjrt-compile'] / med['inductor']:.2f}x")
 
+
+def cold_and_warm():
     with tempfile.TemporaryDirectory() as tmp:
         base = {k: v for k, v in os.environ.items() if k not in ("TORCHPJRT_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
         env = {**base, "TORCHPJRT_CACHE_DIR": os.path.join(tmp, "pjrt"), "TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "inductor")}

@@ -168,12 +168,165 @@ def test_a_new_batch_size_recompiles_with_its_reason():
     assert after["recompile_reasons"][-1] == "input 2: (4, 8) -> (6, 8)"
 
 
-def test_modes_are_accepted_and_unsupported_options_are_clear_errors():
+def test_modes_are_accepted_and_bad_options_are_clear_errors():
     torch._dynamo.reset()
     x = torch.ones(3, device="pjrt")
     assert torch.compile(lambda a: a * 2, backend="pjrt", mode="max-autotune")(x).cpu().tolist() == [2.0] * 3
-    with pytest.raises(Exception, match="options \\['donate'\\] are not supported by the pjrt backend yet"):
-        torch.compile(lambda a: a * 3, backend="pjrt", options={"donate": True})(x)
+    bad = [({"donat": True}, "unknown torch.compile option\\(s\\) \\['donat'\\]"),
+           ({"donate": "yes"}, "option 'donate' must be True or False"),
+           ({"buckets": [16, 8]}, "option 'buckets' must be .*strictly increasing"),
+           ({"buckets": "fib"}, "option 'buckets' must be 'pow2'"),
+           ({"buckets": [0]}, "option 'buckets' must be")]
+    for options, message in bad:
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=message):
+            torch.compile(lambda a: a * 3, backend="pjrt", options=options)(x)
+
+
+def _sgd_step(params, grads):
+    for p, g in zip(params, grads):
+        p.sub_(0.5 * g)
+
+
+def test_donated_parameter_updates_are_correct_and_counted():
+    torch._dynamo.reset()
+    params = [torch.randn(5, device="pjrt") for _ in range(3)]
+    grads = [torch.randn(5, device="pjrt") for _ in range(3)]
+    expected = [p.cpu() - 0.5 * g.cpu() for p, g in zip(params, grads)]
+    before = compile_stats()
+    step = torch.compile(_sgd_step, backend="pjrt", options={"donate": True})
+    step(params, grads)
+    after = compile_stats()
+    assert after["donatable_inputs"] - before["donatable_inputs"] == 3
+    assert after["donated_buffers"] - before["donated_buffers"] == 3
+    for p, e in zip(params, expected):
+        torch.testing.assert_close(p.cpu(), e)
+    step(params, grads)  # the new buffers are donated again
+    assert compile_stats()["donated_buffers"] - before["donated_buffers"] == 6
+    for p, e, g in zip(params, expected, grads):
+        torch.testing.assert_close(p.cpu(), e - 0.5 * g.cpu())
+
+
+def test_an_array_shared_with_another_tensor_is_not_donated():
+    from torchpjrt import storage
+
+    torch._dynamo.reset()
+    params = [torch.randn(5, device="pjrt") for _ in range(2)]
+    grads = [torch.ones(5, device="pjrt") for _ in range(2)]
+    copy_of_first = torch.empty(5, device="pjrt")
+    copy_of_first.copy_(params[0])  # a copy that shares the first parameter's array
+    assert storage.storage_of(copy_of_first).array is storage.storage_of(params[0]).array
+    kept = copy_of_first.cpu()
+    view_of_second = params[1][1:]  # a view shares the storage: it must see the update
+    before = compile_stats()
+    torch.compile(_sgd_step, backend="pjrt", options={"donate": True})(params, grads)
+    after = compile_stats()
+    assert after["donated_buffers"] - before["donated_buffers"] == 1
+    assert after["donation_declined"] - before["donation_declined"] == 1
+    assert torch.equal(copy_of_first.cpu(), kept)  # still readable, still the old value
+    torch.testing.assert_close(params[0].cpu(), kept - 0.5)
+    torch.testing.assert_close(view_of_second.cpu(), params[1].cpu()[1:])
+
+
+def test_without_the_option_nothing_is_donated():
+    torch._dynamo.reset()
+    params, grads = [torch.randn(4, device="pjrt")], [torch.ones(4, device="pjrt")]
+    before = compile_stats()
+    torch.compile(_sgd_step, backend="pjrt")(params, grads)
+    assert compile_stats()["donated_buffers"] == before["donated_buffers"]
+
+
+class _TinyTransformer(nn.Module):
+    """Embedding, one attention layer with a padding mask, layer norm, mean-pooled loss."""
+
+    def __init__(self, vocab=50, d=16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, tokens, mask):
+        h = self.embed(tokens)
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        scores = (q @ k.transpose(1, 2) / q.shape[-1] ** 0.5).masked_fill(~mask[:, None, :], float("-inf"))
+        h = self.norm(h + scores.softmax(-1) @ v)
+        m = mask.unsqueeze(-1).to(h.dtype)
+        return self.head((h * m).sum(1) / m.sum(1)).square().mean()
+
+
+def _train_steps(model, lengths, **compile_kwargs):
+    torch.manual_seed(1)
+    run = torch.compile(model, backend="pjrt", **compile_kwargs)
+    losses, grads = [], []
+    for n in lengths:
+        tokens = torch.randint(0, 50, (3, n))
+        mask = torch.ones(3, n, dtype=torch.bool)
+        mask[0, n - 2:] = False
+        model.zero_grad()
+        loss = run(tokens.to("pjrt"), mask.to("pjrt"))
+        loss.backward()
+        losses.append(loss.item())
+        grads.append([p.grad.cpu() for p in model.parameters()])
+    return losses, grads
+
+
+@pytest.mark.slow  # about 12 s: six compiles of a training step without buckets
+def test_buckets_match_the_unbucketed_run_and_compile_once_per_bucket():
+    lengths = (5, 7, 11, 6)
+    torch.manual_seed(0)
+    model = _TinyTransformer().to("pjrt")
+    runs = {}
+    for name, options in (("exact", None), ("buckets", {"buckets": [8, 16]})):
+        torch._dynamo.reset()
+        before = compile_stats()
+        runs[name] = _train_steps(copy.deepcopy(model), lengths, dynamic=True, options=options)
+        after = compile_stats()
+        runs[name] += (after["xla_compiles"] - before["xla_compiles"],
+                       after["bucketed_graphs"] - before["bucketed_graphs"])
+    exact_losses, exact_grads, exact_compiles, _ = runs["exact"]
+    losses, grads, compiles, bucketed = runs["buckets"]
+    torch.testing.assert_close(losses, exact_losses, rtol=1e-5, atol=1e-6)
+    for g, e in zip(grads, exact_grads):
+        for a, b in zip(g, e):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert exact_compiles == 2 * len(set(lengths))  # forward and backward per length
+    assert bucketed == 2 and compiles == 2 * 2  # forward and backward per bucket
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean", "amax", "softmax", "log_softmax", "matmul"])
+def test_reductions_over_a_padded_dim_are_masked(reduce):
+    functions = {
+        "sum": lambda x: (x.exp() + 1).sum(1),
+        "mean": lambda x: (x + 3).mean(1, keepdim=True),
+        "amax": lambda x: (x - 10).amax(1),
+        "softmax": lambda x: (x + 1).softmax(-1),
+        "log_softmax": lambda x: (x * 2).log_softmax(1),
+        "matmul": lambda x: (x + 1) @ (x + 1).transpose(0, 1).sin(),
+    }
+    torch._dynamo.reset()
+    f = torch.compile(functions[reduce], backend="pjrt", dynamic=True, options={"buckets": "pow2"})
+    before = compile_stats()
+    for n in (3, 5, 6, 7):
+        x = torch.randn(2, n) if reduce != "matmul" else torch.randn(n, n)
+        torch.testing.assert_close(f(x.to("pjrt")).cpu(), functions[reduce](x), rtol=1e-5, atol=1e-5)
+    after = compile_stats()
+    assert after["bucketed_graphs"] - before["bucketed_graphs"] == 1
+    assert after["xla_compiles"] - before["xla_compiles"] == 2  # buckets 4 and 8
+
+
+def test_an_op_that_cannot_be_masked_falls_back_to_exact_sizes_with_its_reason():
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x.sort(dim=1).values[:, :1] + x.var(1, keepdim=True), backend="pjrt",
+                      dynamic=True, options={"buckets": [8]})
+    before = compile_stats()
+    for n in (3, 5):
+        x = torch.randn(2, n)
+        torch.testing.assert_close(f(x.to("pjrt")).cpu(), x.sort(dim=1).values[:, :1] + x.var(1, keepdim=True))
+    after = compile_stats()
+    assert after["unbucketed_graphs"] - before["unbucketed_graphs"] == 1
+    assert "over a padded dimension cannot be masked" in after["bucket_fallback_reasons"][-1]
+    assert after["xla_compiles"] - before["xla_compiles"] == 2  # one per size, as without buckets
 
 
 def test_dynamic_shapes_trace_once_and_compile_once_per_size():

@@ -107,8 +107,6 @@ def _known(reason):
     return pytest.mark.xfail(strict=True, raises=AssertionError, reason=reason)
 
 
-_CPU_SCALAR_META = "meta check: a CPU scalar next to a meta tensor is a device mismatch"
-
 # Programs that once disagreed with CPU, replayed forever. Fixed ones must pass; the others are
 # strict xfails that flip when their bug is fixed.
 REGRESSIONS = [
@@ -289,27 +287,27 @@ REGRESSIONS = [
         Step('.cumsum_', (Ref(0), 0)),
     )), id="bool_cumsum_"),
 
-    # -- known, not fixed ----------------------------------------------------------------------
-    # CPU kernels without the dtype raise NotImplementedError; pjrt raises JAX's TypeError
+    # CPU kernels without the dtype raise NotImplementedError (pjrt raised JAX's TypeError)
     pytest.param(Program((
         Step('input', ((), torch.float32, 0)),
         Step('torch.bitwise_not', (Ref(0),), n_out=0, raises='NotImplementedError'),
-    )), id="unsupported_dtype_error_type", marks=_known("TypeError from the JAX lowering")),
+    )), id="unsupported_dtype_error_type"),
     # a 0-dim CPU tensor (allowed next to device tensors, as on CUDA) as masked_fill_'s value,
     # copysign's other or the dividend of //
     pytest.param(Program((
         Step('input', ((3, 1, 4), torch.int64, 786)),
         Step('input', ((3, 1, 4), torch.bool, 1)),
         Step('.masked_fill_', (Ref(0), Ref(1), CpuScalar(-4.0, torch.float64))),
-    )), id="masked_fill_cpu_scalar_value", marks=_known(_CPU_SCALAR_META)),
+    )), id="masked_fill_cpu_scalar_value"),
     pytest.param(Program((
         Step('input', ((3, 3), torch.int64, 115)),
         Step('torch.copysign', (Ref(0), CpuScalar(-0.5, torch.float32))),
-    )), id="copysign_cpu_scalar", marks=_known(_CPU_SCALAR_META)),
+    )), id="copysign_cpu_scalar"),
     pytest.param(Program((
         Step('input', ((2,), torch.float32, 20)),
         Step('op://', (CpuScalar(2.0, torch.float64), Ref(0))),
-    )), id="cpu_scalar_floor_divide", marks=_known(_CPU_SCALAR_META)),
+    )), id="cpu_scalar_floor_divide"),
+    # -- known, not fixed ----------------------------------------------------------------------
     # bool cast then divide inside one fused graph: XLA's select rewrite again (the cast is not
     # a lowering)
     pytest.param(Program((
@@ -332,35 +330,35 @@ REGRESSIONS = [
     pytest.param(Program((
         Step('input', ((2, 3, 2), torch.int64, 140)),
         Step('.t_', (Ref(0),), n_out=0, raises='RuntimeError'),
-    )), id="t__3d_error_type", marks=_known("in-place view ops raise the meta kernel's AssertionError")),
+    )), id="t__3d_error_type"),
     # inf-norm over a non-empty negative dim of an empty tensor: PyTorch's reference check
     # (run as the meta kernel) does not wrap negative dims and raises; CPU returns an empty result
     pytest.param(Program((
         Step('input', ((0, 4), torch.float32, 135)),
         Step('torch.norm', (Ref(0),), kwargs=(('p', float('inf')), ('dim', -1), ('keepdim', True))),
-    )), id="norm_inf_negative_dim_empty", marks=_known("torch._refs vector_norm check, negative dim")),
+    )), id="norm_inf_negative_dim_empty"),
     # amin/amax/argmax over an empty dim: CPU raises IndexError, PyTorch's reference (pjrt's
     # meta kernel) RuntimeError
     pytest.param(Program((
         Step('input', ((0,), torch.int64, 237)),
         Step('torch.amin', (Ref(0),), kwargs=(('dim', 0), ('keepdim', True)), n_out=0, raises='IndexError'),
         Step('torch.argmax', (Ref(0),), n_out=0, raises='IndexError'),
-    )), id="empty_reduction_error_type", marks=_known("meta kernels raise RuntimeError")),
+    )), id="empty_reduction_error_type"),
     # integer sub with a float alpha: CPU raises RuntimeError, PyTorch's reference ValueError
     pytest.param(Program((
         Step('input', ((1, 4), torch.int64, 184)),
         Step('torch.sub', (Ref(0), Ref(0)), kwargs=(('alpha', 0.5),), n_out=0, raises='RuntimeError'),
-    )), id="int_float_alpha_error_type", marks=_known("meta kernel raises ValueError")),
+    )), id="int_float_alpha_error_type"),
     # clamp() with neither bound: CPU raises RuntimeError, PyTorch's reference ValueError
     pytest.param(Program((
         Step('input', ((1,), torch.float32, 0)),
         Step('torch.clamp', (Ref(0),), kwargs=(('min', None), ('max', None)), n_out=0, raises='RuntimeError'),
-    )), id="clamp_no_bounds_error_type", marks=_known("meta kernel raises ValueError")),
+    )), id="clamp_no_bounds_error_type"),
     # pow(bool tensor, False) is bool on CPU; PyTorch's meta kernel (pjrt's result dtype) says int64
     pytest.param(Program((
         Step('input', ((1, 2, 3), torch.bool, 153)),
         Step('torch.pow', (Ref(0), False)),
-    )), id="bool_pow_bool_scalar_dtype", marks=_known("meta kernel's result dtype")),
+    )), id="bool_pow_bool_scalar_dtype"),
     # all() into an int64 out=, index_select() into a float32 out= and neg() into a float64 out=
     # raise on CPU
     pytest.param(Program((
@@ -371,7 +369,7 @@ REGRESSIONS = [
              raises='RuntimeError'),
         Step('input', ((), torch.float32, 0)),
         Step('torch.neg', (Ref(2),), kwargs=(('out', Empty(torch.float64)),), n_out=0, raises='RuntimeError'),
-    )), id="out_dtype_must_match", marks=_known("out= kernel casts where CPU requires the result dtype")),
+    )), id="out_dtype_must_match"),
     # writing one value into a view with internal overlap (fill_, x[index] = 2) is allowed on CPU
     pytest.param(Program((
         Step('input', ((), torch.bool, 5)),
@@ -380,7 +378,7 @@ REGRESSIONS = [
         Step('input', ((), torch.float32, 1)),
         Step('.as_strided', (Ref(2), (3,), (0,), 0)),
         Step('.fill_', (Ref(3), 2)),
-    )), id="fill_overlapping_view", marks=_known("writes into views with internal overlap raise")),
+    )), id="fill_overlapping_view"),
     # a split/chunk output whose base was then written in place: pjrt's meta conversion reads
     # `is_leaf`, which makes autograd raise for such a view (CPU raises only if it needs grad)
     pytest.param(Program((
@@ -391,7 +389,7 @@ REGRESSIONS = [
         Step('input', ((1, 1, 2), torch.float64, 236)),
         Step('.index_put_', (Ref(3), (Lit([-2]),), Ref(4)), kwargs=(('accumulate', True),)),
         Step('torch.isnan', (Ref(2),)),
-    )), id="split_view_after_inplace", marks=_known("dispatch.meta_like reads is_leaf")),
+    )), id="split_view_after_inplace"),
     # int_tensor.mul_(float_tensor): CPU raises (the result type cannot be cast to the target's);
     # pjrt truncates, and bumps the version counter a later backward checks
     pytest.param(Program((
@@ -401,13 +399,13 @@ REGRESSIONS = [
         Step('input', ((2,), torch.int64, 1)),
         Step('.add_', (Ref(3), Lit([1.5, 2.0], torch.float32)), n_out=0, raises='RuntimeError'),
         Step('backward', (Ref(1),), n_out=0),
-    )), id="inplace_result_type_unchecked", marks=_known("in-place kernel: no can_cast check for tensors")),
+    )), id="inplace_result_type_unchecked"),
     # x[index] = value whose shape does not fit: CPU raises RuntimeError, pjrt ValueError
     pytest.param(Program((
         Step('input', ((3,), torch.float32, 0)),
         Step('input', ((0,), torch.float32, 1)),
         Step('[]=', (Ref(0), Lit([0, 2]), Ref(1)), n_out=0, raises='RuntimeError'),
-    )), id="index_put_value_shape_error_type", marks=_known("JAX's broadcast ValueError")),
+    )), id="index_put_value_shape_error_type"),
 ]
 
 

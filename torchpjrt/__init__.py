@@ -32,6 +32,7 @@ from . import autocast as _autocast  # noqa: E402
 
 _autocast.install()
 
+from . import distributed as _distributed  # noqa: E402,F401  (registers the c10d backend "pjrt")
 from .dispatch import cpu_fallback_counts  # noqa: E402,F401
 from .stablehlo_export import ExportError, export, load_exported  # noqa: E402,F401
 from .kernels import kernel  # noqa: E402,F401

@@ -255,3 +255,109 @@ def register():
     _setup_privateuseone_for_python_backend(
         BACKEND_NAME, backend_module=sys.modules[__name__], hook=_Hooks(), device_guard=_DeviceGuard()
     )
+
+
+# ---- streams and events ----------------------------------------------------------------------
+# JAX runs each device's work in dispatch order on one queue, and pjrt storages swap immutable
+# arrays instead of overwriting buffers, so work issued on any "stream" is already ordered after
+# whatever produced its inputs. These classes give code written for torch.cuda's stream API
+# (FSDP2, DDP, user overlap code) that one in-order stream: waits are no-ops, synchronize
+# waits for the device, and events time with the host clock once the device has caught up.
+
+
+class Stream:
+    """The pjrt device's single in-order stream (every instance is that stream)."""
+
+    def __init__(self, device=None, priority=0, **kwargs):
+        self.device_index = _index(device)
+        self.priority = priority
+
+    @property
+    def device(self):
+        return torch.device(BACKEND_NAME, self.device_index)
+
+    device_type = BACKEND_NAME
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def record_event(self, event=None):
+        event = event if event is not None else Event()
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        synchronize()
+
+    def __eq__(self, other):
+        return isinstance(other, Stream) and other.device_index == self.device_index
+
+    def __hash__(self):
+        return hash((BACKEND_NAME, self.device_index))
+
+    def __repr__(self):
+        return f"torch.pjrt.Stream(device={self.device})"
+
+
+class Event:
+    """A point in the device's single queue."""
+
+    def __init__(self, enable_timing=False, blocking=False, interprocess=False):
+        self.enable_timing = enable_timing
+        self._time = None
+
+    def record(self, stream=None) -> None:
+        if self.enable_timing:
+            synchronize()  # the queue has drained up to here, so host time marks the event
+        self._time = __import__("time").perf_counter()
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        synchronize()
+
+    def elapsed_time(self, end_event) -> float:
+        if self._time is None or end_event._time is None:
+            raise RuntimeError("torch.pjrt.Event.elapsed_time: both events must be recorded first")
+        if not (self.enable_timing and end_event.enable_timing):
+            raise RuntimeError("torch.pjrt.Event.elapsed_time: create both events with enable_timing=True")
+        return (end_event._time - self._time) * 1000.0
+
+
+def current_stream(device=None) -> Stream:
+    return Stream(device)
+
+
+def default_stream(device=None) -> Stream:
+    return Stream(device)
+
+
+def set_stream(stream) -> None:
+    pass  # there is only the one stream
+
+
+class StreamContext:
+    """`with torch.pjrt.stream(s):` — work stays on the single in-order stream."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __enter__(self):
+        return self.stream
+
+    def __exit__(self, *exc):
+        return False
+
+
+def stream(stream) -> StreamContext:
+    return StreamContext(stream)

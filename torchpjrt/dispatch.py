@@ -11,6 +11,7 @@
 """
 
 import os
+import re
 import threading
 import warnings
 from collections import Counter
@@ -117,14 +118,26 @@ def signature(op) -> Signature:
 
 def meta_like(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "pjrt":
+        if t.device.type == "cpu" and t.dim() == 0:
+            # a CPU scalar tensor may join device tensors (as on CUDA); meta kernels would
+            # call it a device mismatch
+            return torch.empty((), dtype=t.dtype, device="meta")
         return t
     size, stride, offset = tuple(t.shape), t.stride(), t.storage_offset()
     span = offset + 1 + sum((s - 1) * st for s, st in zip(size, stride)) if all(size) else offset
     base = torch.empty((span,), dtype=t.dtype, device="meta")
     m = base.as_strided(size, stride, offset)
-    if t.requires_grad and t.is_leaf:
+    if t.requires_grad and _is_leaf(t):
         m.requires_grad_(True)
     return m
+
+
+def _is_leaf(t):
+    # reading is_leaf of a multi-output view (split) whose base was written in place raises
+    try:
+        return t.is_leaf
+    except RuntimeError:
+        return False
 
 
 def _to_meta(v):
@@ -154,7 +167,11 @@ class _NoMeta(Exception):
 
 def run_meta(op, sig, vals):
     """Run `op` on meta copies of the arguments: PyTorch's shape/dtype rules and errors."""
-    margs, mkwargs = sig.split([_to_meta(v) for v in vals])
+    mvals = [_to_meta(v) for v in vals]
+    fix = _META_ARG_FIXES.get(op)
+    if fix is not None:
+        fix(sig, mvals)
+    margs, mkwargs = sig.split(mvals)
     if "device" in mkwargs and mkwargs["device"] is None and not any(
         isinstance(v, torch.Tensor) for v in vals
     ):
@@ -172,7 +189,60 @@ def run_meta(op, sig, vals):
             raise _NoMeta() from e
         if "data-dependent" in msg or "unbacked" in msg or "item()" in msg:
             raise _NoMeta() from e
-        raise
+        raise as_cpu_error(op, e) from None
+    except (AssertionError, ValueError) as e:
+        raise as_cpu_error(op, e) from None
+
+
+def _wrap_norm_dims(sig, mvals):
+    # torch._refs' vector_norm check indexes the shape with unwrapped negative dims
+    i = sig.names.index("dim")
+    x, dims = mvals[0], mvals[i]
+    if dims is not None and not isinstance(dims, int):
+        mvals[i] = [d + x.dim() if -x.dim() <= d < 0 else d for d in dims]
+
+
+_META_ARG_FIXES = {aten.linalg_vector_norm.default: _wrap_norm_dims, aten.linalg_vector_norm.out: _wrap_norm_dims}
+
+# ops whose CPU kernels raise IndexError on an empty reduced dimension (meta: RuntimeError)
+_EMPTY_DIM_INDEX_ERRORS = ("aten::amax", "aten::amin", "aten::argmax", "aten::argmin")
+
+
+def _ints(text):
+    return [int(x) for x in text.replace(",", " ").split()]
+
+
+def as_cpu_error(op, e):
+    """The exception PyTorch's CPU kernel raises where a meta kernel (often a Python reference
+    implementation) raised `e`: same message, CPU's exception type and wording."""
+    msg = str(e)
+    name = op._schema.name
+    if name in _EMPTY_DIM_INDEX_ERRORS and ("reduction dim" in msg or "zero-size dimension" in msg):
+        return IndexError(f"{name.split('::')[1]}(): {msg}")
+    m = re.match(r"Attempting to cast from (torch\.\w+) to out tensor with dtype (torch\.\w+)", msg)
+    if m:
+        src, dst = (getattr(torch, x.split(".")[1]) for x in m.groups())
+        return RuntimeError(f"result type {_dtype_name(src)} can't be cast to the desired output type {_dtype_name(dst)}")
+    m = re.match(r"Attempting to broadcast a dimension of length (\d+) at (-\d+)! Mismatching argument at index "
+                 r"\d+ had torch\.Size\(\[(.*)\]\); but expected shape should be broadcastable to \[(.*)\]", msg)
+    if m:
+        length, at = int(m.group(1)), int(m.group(2))
+        arg_shape, expected = (_ints(g) for g in m.group(3, 4))
+        return RuntimeError(f"The size of tensor a ({expected[at]}) must match the size of tensor b ({length}) at "
+                            f"non-singleton dimension {max(len(expected), len(arg_shape)) + at}")
+    m = re.match(r"(Sizes of tensors must match except in dimension \d+)\. Expected (\d+) in dimension \d+ but got "
+                 r"(\d+) for tensor number (\d+) in the list$", msg)
+    if m:
+        return RuntimeError("{}. Expected size {} but got size {} for tensor number {} in the list.".format(*m.groups()))
+    m = re.match(r"a and b must have same reduction dim, but got \[(\d+), (\d+)\] X \[(\d+), (\d+)\]", msg)
+    if m:
+        return RuntimeError("mat1 and mat2 shapes cannot be multiplied ({}x{} and {}x{})".format(*m.groups()))
+    m = re.match(r"output with shape torch\.Size\((\[.*\])\) doesn't match the broadcast shape \((.*)\)$", msg)
+    if m:
+        return RuntimeError(f"output with shape {m.group(1)} doesn't match the broadcast shape [{m.group(2).rstrip(',')}]")
+    if type(e) is RuntimeError:
+        return e
+    return RuntimeError(msg)  # AssertionError, ValueError: CPU's checks raise RuntimeError
 
 
 # ---- lowered ops -----------------------------------------------------------------------------
@@ -193,9 +263,13 @@ class LoweredKernel:
     functional op's and only its first `n_inputs` arguments are passed to it.
     """
 
-    def __init__(self, op: OpOverload, lowering: Lowering, n_inputs=None):
+    def __init__(self, op: OpOverload, lowering: Lowering, n_inputs=None, inplace_of=None):
         self.op = op
         self.sig = signature(op)
+        # in-place form of a pointwise op: its result type must cast to the target's (as CPU's
+        # TensorIterator checks); other in-place ops run in the target's dtype (cumsum_)
+        self.checked_functional = inplace_of if inplace_of is not None and torch.Tag.pointwise in inplace_of.tags \
+            else None
         self.lowering = lowering
         self.n_inputs = self.sig.n if n_inputs is None else n_inputs
         self.cache = {}
@@ -268,12 +342,26 @@ class LoweredKernel:
         if fn is None:
             fn = self._build(vals, key)
         stats["lowered"] += 1
-        if self.lowering.dynamic_shape and self.lowering.has_dynamic_shape(vals):
-            # data-dependent output shapes (nonzero, unique): the inputs must be known
-            return fn(*fusion.concrete_tree(dyn))
-        if fusion._recording:
-            return fusion.record_keyed(self.fused_avals, key, fn, dyn)
-        return fn(*dyn)
+        try:
+            if self.lowering.dynamic_shape and self.lowering.has_dynamic_shape(vals):
+                # data-dependent output shapes (nonzero, unique): the inputs must be known
+                return fn(*fusion.concrete_tree(dyn))
+            if fusion._recording:
+                return fusion.record_keyed(self.fused_avals, key, fn, dyn)
+            return fn(*dyn)
+        except TypeError as e:
+            raise self._dtype_error(e, vals) from e
+        except jax.errors.JaxRuntimeError as e:
+            raise fusion.device_error(e) from e
+
+    def _dtype_error(self, e, vals):
+        """A JAX lowering refusing a dtype (jnp.invert of a float) as CPU says it:
+        NotImplementedError("\"bitwise_not\" not implemented for 'Float'")."""
+        if "does not accept dtype" not in str(e) and "not supported for dtype" not in str(e):
+            return e
+        dtype = next((v.dtype for v in vals if isinstance(v, torch.Tensor)), None)
+        name = self.op._schema.name.split("::")[1]
+        return NotImplementedError(f"\"{name}\" not implemented for '{_dtype_name(dtype)}' on the pjrt device ({e})")
 
     def _odd_tensor_arg(self, v, key, dyn):
         """A Tensor-typed argument that is None, a Python number, or a CPU scalar tensor."""
@@ -297,10 +385,12 @@ class LoweredKernel:
 
     def _build(self, vals, key):
         storage.default_device()  # picks the platform (TORCHPJRT_PLATFORM) before compiling
+        if self.checked_functional is not None:
+            _check_inplace_cast(self.checked_functional, vals)
         expected = None
         try:
             meta_out = run_meta(self.op, self.sig, vals)
-            expected = [dtypes.to_jax(m.dtype) for m in _flatten_tensors(meta_out)]
+            expected = [dtypes.to_jax(_corrected_dtype(self.op, vals, m.dtype)) for m in _flatten_tensors(meta_out)]
             if self.n_inputs != self.sig.n:
                 expected = None  # out= overloads: the outputs' dtypes are checked on write
         except _NoMeta:
@@ -313,6 +403,25 @@ class LoweredKernel:
         self.cache[key] = fn
         stats["compiled"] += 1
         return fn
+
+
+def _check_inplace_cast(functional, vals):
+    fsig = signature(functional)
+    try:
+        result = _flatten_tensors(run_meta(functional, fsig, vals[: fsig.n]))[0].dtype
+    except Exception:  # noqa: BLE001 - the in-place op's own meta run reports invalid arguments
+        return
+    target = vals[0].dtype
+    if result != target and not torch.can_cast(result, target):
+        raise RuntimeError(f"result type {_dtype_name(result)} can't be cast to the desired output type "
+                           f"{_dtype_name(target)}")
+
+
+def _corrected_dtype(op, vals, dtype):
+    """The result dtype where PyTorch's meta kernel disagrees with its CPU kernel."""
+    if op is aten.pow.Tensor_Scalar and vals[0].dtype == torch.bool and isinstance(vals[1], bool):
+        return torch.bool  # torch._refs.pow promotes bool to long; CPU keeps bool ** bool bool
+    return dtype
 
 
 def scalar_is_static(v, i, static_positions):
@@ -458,6 +567,8 @@ def make_functional_kernel(op, lowering):
 
         return kernel
 
+    allow_overlap = op in _OVERLAPPING_WRITES_ALLOWED
+
     def mutating_kernel(*args, **kwargs):
         vals = sig.values(args, kwargs)
         outs = k.compute(vals)
@@ -469,7 +580,7 @@ def make_functional_kernel(op, lowering):
                     if t is not None:
                         storage.write(t, nv)
             elif target is not None:
-                storage.write(target, new)
+                storage.write(target, new, allow_overlap=allow_overlap)
         return _wrap_outputs(schema, regular, vals, sig)
 
     return mutating_kernel
@@ -477,7 +588,7 @@ def make_functional_kernel(op, lowering):
 
 def make_inplace_kernel(op, functional, lowering):
     """`x.add_(y)`: compute add(x, y), write it into x (PyTorch's checks come from meta)."""
-    k = LoweredKernel(op, lowering)
+    k = LoweredKernel(op, lowering, inplace_of=functional)
     sig = k.sig
     returns_self = bool(op._schema.returns)
     if sig.kinds[0] == TENSOR_LIST:
@@ -492,14 +603,22 @@ def make_inplace_kernel(op, functional, lowering):
 
         return list_kernel
 
+    allow_overlap = op in _OVERLAPPING_WRITES_ALLOWED
+
     def kernel(*args, **kwargs):
         vals = sig.values(args, kwargs)
         out = k.compute(vals)[0]
         self = vals[0]
-        storage.write(self, out)
+        storage.write(self, out, allow_overlap=allow_overlap)
         return self
 
     return kernel
+
+
+# CPU's fill_ and index_put_ write into tensors whose elements overlap (an expanded tensor);
+# other in-place ops raise
+_OVERLAPPING_WRITES_ALLOWED = {aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default, aten.index_put_.default,
+                               aten._index_put_impl_.default}
 
 
 def make_out_kernel(op, functional, lowering):
@@ -522,9 +641,14 @@ def make_out_kernel(op, functional, lowering):
 
         return list_kernel
 
+    check_dtype = _OUT_DTYPE_CHECKS.get(schema.name.split("::")[1])
+
     def kernel(*args, **kwargs):
         vals = sig.values(args, kwargs)
         outs = k.compute(vals)
+        if check_dtype is not None:
+            for pos, value in zip(out_positions, outs):
+                check_dtype(schema.name.split("::")[1], dtypes.to_torch(value.dtype), vals[pos].dtype)
         for pos, value in zip(out_positions, outs):
             write_out(vals[pos], value)
         if len(out_positions) == 1:
@@ -532,6 +656,27 @@ def make_out_kernel(op, functional, lowering):
         return tuple(vals[p] for p in out_positions)
 
     return kernel
+
+
+def _exact_out_dtype(name, result, out):
+    if out != result:
+        raise RuntimeError(f"Expected out tensor to have dtype {_dtype_name(result)}, but got {_dtype_name(out)} "
+                           f"instead ({name})")
+
+
+def _bool_out_dtype(name, result, out):
+    if out not in (torch.bool, torch.uint8):
+        raise RuntimeError(f"{name} only supports bool tensor for result, got: {_dtype_name(out)}")
+
+
+# out= overloads whose CPU kernels require the out tensor's dtype (others cast the result
+# into it when torch.can_cast allows, checked by write_out)
+_OUT_DTYPE_CHECKS = {
+    **dict.fromkeys(("neg", "bitwise_not", "isnan", "isinf", "conj_physical", "round", "nan_to_num", "zero",
+                     "clone", "sum", "prod", "amax", "amin", "index_select"), _exact_out_dtype),
+    "all": _bool_out_dtype,
+    "any": _bool_out_dtype,
+}
 
 
 def write_out(target, value):
@@ -558,8 +703,11 @@ def write_out(target, value):
 
 
 def _dtype_name(dt):
+    """c10's name for a dtype, as PyTorch's messages print it (Float, Long, ...)."""
     return {torch.float32: "Float", torch.float64: "Double", torch.int64: "Long", torch.int32: "Int",
-            torch.bool: "Bool", torch.float16: "Half", torch.bfloat16: "BFloat16"}.get(dt, str(dt))
+            torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte", torch.bool: "Bool",
+            torch.float16: "Half", torch.bfloat16: "BFloat16", torch.complex64: "ComplexFloat",
+            torch.complex128: "ComplexDouble"}.get(dt, str(dt).removeprefix("torch."))
 
 
 # ---- views --------------------------------------------------------------------------------
@@ -588,8 +736,11 @@ def view_kernel(op, args, kwargs):
     if plan is None:
         margs = [_to_meta(a) for a in args]
         mkwargs = {k: _to_meta(v) for k, v in kwargs.items()}
-        with torch.no_grad():
-            res = op(*margs, **mkwargs)
+        try:
+            with torch.no_grad():
+                res = op(*margs, **mkwargs)
+        except (AssertionError, ValueError) as e:
+            raise as_cpu_error(op, e) from None
         is_list = isinstance(res, (list, tuple))
         geoms = [(tuple(r.shape), r.stride(), r.storage_offset(), r.dtype) for r in (res if is_list else [res])]
         plan = (is_list, geoms)
@@ -604,8 +755,11 @@ def view_kernel(op, args, kwargs):
 def inplace_view_kernel(op, args, kwargs):
     self = args[0]
     m = meta_like(self)
-    with torch.no_grad():
-        op(m, *[_to_meta(a) for a in args[1:]], **{k: _to_meta(v) for k, v in kwargs.items()})
+    try:
+        with torch.no_grad():
+            op(m, *[_to_meta(a) for a in args[1:]], **{k: _to_meta(v) for k, v in kwargs.items()})
+    except (RuntimeError, AssertionError, ValueError) as e:
+        raise as_cpu_error(op, e) from None
     storage.set_geometry(self, tuple(m.shape), m.stride(), m.storage_offset())
     return self
 
@@ -751,12 +905,23 @@ def _unsupported(op, args, kwargs):
 
 
 def to_cpu(t: torch.Tensor) -> torch.Tensor:
-    arr = np.asarray(fusion.concrete(storage.read(t)))
+    arr = fusion.concrete(storage.read(t))
+    if not getattr(arr, "is_fully_addressable", True):
+        # sharded over several processes' devices (spmd): every process gathers the whole value
+        from jax.experimental import multihost_utils
+
+        arr = multihost_utils.process_allgather(arr, tiled=True)
+    try:
+        arr = np.asarray(arr)
+    except jax.errors.JaxRuntimeError as e:  # an asynchronous failure (out of memory) shows here
+        raise fusion.device_error(e) from e
     return dtypes.cpu_tensor_from_numpy(arr, t.dtype).reshape(t.shape)
 
 
 def to_pjrt(t: torch.Tensor) -> torch.Tensor:
-    arr = jax.device_put(dtypes.numpy_from_cpu_tensor(t.contiguous()), _default_device())
+    _default_device()  # sets jax_default_device to the chosen platform's first device
+    # uncommitted: jit may move it next to arrays sharded over a mesh (distributed.spmd)
+    arr = jax.device_put(dtypes.numpy_from_cpu_tensor(t.contiguous()))
     return storage.wrap(arr, t.dtype)
 
 
@@ -851,7 +1016,9 @@ def k_empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_m
 def host_to_device(t: torch.Tensor):
     """A JAX array on the pjrt device holding a CPU tensor's values (copied)."""
     a = np.array(dtypes.numpy_from_cpu_tensor(t), copy=True)
-    return jax.device_put(a, _default_device())
+    _default_device()  # sets jax_default_device to the chosen platform's first device
+    # uncommitted: jit may move it next to arrays sharded over a mesh (distributed.spmd)
+    return jax.device_put(a)
 
 
 def k_copy_(self, src, non_blocking=False):
@@ -922,7 +1089,10 @@ def k_local_scalar_dense(self):
     if self.numel() != 1:
         raise RuntimeError(f"a Tensor with {self.numel()} elements cannot be converted to Scalar")
     stats["host_read"] += 1
-    return np.asarray(fusion.concrete(storage.read(self), "item")).reshape(()).item()
+    try:
+        return np.asarray(fusion.concrete(storage.read(self), "item")).reshape(()).item()
+    except jax.errors.JaxRuntimeError as e:  # an asynchronous failure (out of memory) shows here
+        raise fusion.device_error(e) from e
 
 
 def k_equal(self, other):

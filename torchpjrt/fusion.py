@@ -153,10 +153,25 @@ def set_recording(on: bool) -> None:
         _recording = on
 
 
+def device_error(e):
+    """The exception to raise for a runtime error of XLA: torch.OutOfMemoryError (like CUDA's)
+    when the device refused an allocation, else `e` itself."""
+    msg = str(e)
+    if "RESOURCE_EXHAUSTED" in msg or "Out of memory" in msg:
+        return torch.OutOfMemoryError(
+            f"pjrt device out of memory ({msg.splitlines()[0].rstrip('.')}). Tensors that are still "
+            "referenced keep their memory; free some (del, or smaller batches) and retry."
+        )
+    return e
+
+
 def call(fn, *args):
     """Run jitted `fn` now (strict, debug) or record it into the pending graph (fused)."""
     if not _recording:
-        return fn(*args)
+        try:
+            return fn(*args)
+        except jax.errors.JaxRuntimeError as e:
+            raise device_error(e) from e
     leaves, treedef = jax.tree_util.tree_flatten(args)
     return _add_node(fn, treedef, leaves, _output_avals(fn, treedef, leaves))
 
@@ -270,6 +285,8 @@ def flush(reason: str) -> None:
             results = replay(*g.inputs)
         except Exception as e:
             g.error = e
+            if isinstance(e, jax.errors.JaxRuntimeError):
+                raise device_error(e) from e
             raise
         finally:
             if stats["graphs_compiled"] != traced:

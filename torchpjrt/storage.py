@@ -155,8 +155,12 @@ def value_of(t: torch.Tensor):
     return jnp.asarray(dtypes.numpy_from_cpu_tensor(t))
 
 
-def write(t: torch.Tensor, value) -> None:
-    """Store `value` (broadcastable to t.shape, any dtype) as the elements of tensor `t`."""
+def write(t: torch.Tensor, value, allow_overlap=False) -> None:
+    """Store `value` (broadcastable to t.shape, any dtype) as the elements of tensor `t`.
+
+    A `t` whose elements overlap (a stride-0 dim) raises as PyTorch's in-place ops do, unless
+    `allow_overlap` (fill_, index_put_): then the last of the values for one location stays,
+    as with CPU's sequential writes."""
     st = t.untyped_storage()._pjrt
     jdtype = dtypes.to_jax(t.dtype)
     if value.dtype != jdtype:
@@ -164,19 +168,38 @@ def write(t: torch.Tensor, value) -> None:
     if tuple(value.shape) != tuple(t.shape):
         value = _broadcast(value, tuple(t.shape))
     if t.dtype == st.dtype and t.shape == st.shape and t.storage_offset() == 0 and t.is_contiguous():
-        st.replace(value)
+        st.replace(_keep_mesh_placement(st.array, value))
         return
     _check_dtype_view(t.dtype, st.dtype)
     if t.numel() == 0:
         return
     size, stride = tuple(t.shape), t.stride()
     if any(s > 1 and d == 0 for s, d in zip(size, stride)):
-        raise RuntimeError(
-            "unsupported operation: more than one element of the written-to tensor refers to a "
-            "single memory location. Please clone() the tensor before performing the operation."
-        )
+        if not allow_overlap:
+            raise RuntimeError(
+                "unsupported operation: more than one element of the written-to tensor refers to a "
+                "single memory location. Please clone() the tensor before performing the operation."
+            )
+        overlapping = tuple(s > 1 and d == 0 for s, d in zip(size, stride))
+        value = call(_last_along_fn(overlapping), value)
+        size = tuple(1 if o else s for o, s in zip(overlapping, size))
     new = call(_writer(st.shape, size, stride, t.storage_offset(), dtypes.to_jax(st.dtype)), st.value(), value)
     st.replace(new)
+
+
+@functools.lru_cache(maxsize=None)
+def _last_along_fn(dims):
+    index = tuple(slice(-1, None) if d else slice(None) for d in dims)
+    return jax.jit(lambda x: x[index])
+
+
+def _keep_mesh_placement(old, new):
+    """A whole-storage write keeps a placement over a mesh (distributed.spmd): copy_ or
+    load_state_dict into a sharded parameter must not gather it onto one device."""
+    sharding = old.sharding if isinstance(old, jax.Array) else None  # never a Pending's: no flush
+    if type(sharding) is jax.sharding.NamedSharding and isinstance(new, jax.Array) and new.sharding != sharding:
+        return jax.device_put(new, sharding)
+    return new
 
 
 def _check_dtype_view(view_dtype, storage_dtype):

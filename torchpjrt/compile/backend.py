@@ -7,9 +7,11 @@ into a single XLA program. Ops the table cannot lower make that graph run eagerl
 """
 
 import functools
+import sys
 import time
 import warnings
 from collections import Counter
+from dataclasses import dataclass
 
 import jax
 import torch
@@ -17,11 +19,13 @@ from functorch.compile import make_boxed_func
 
 from .. import fusion, random_state, storage
 from ..ops import TABLE
+from . import buckets as buckets_mod
 from . import graph as graph_mod
 
 stats = Counter()
 eager_fallback_reasons = []
 recompile_reasons = []
+bucket_fallback_reasons = []
 _seen_graphs = {}  # graph code -> input shapes it was last compiled for
 
 
@@ -31,10 +35,13 @@ def compile_stats() -> dict:
     from .. import compile_cache
 
     return {
-        **{key: 0 for key in ("graphs", "eager_graphs", "recompiles", "xla_compiles", "calls", "compile_seconds")},
+        **{key: 0 for key in ("graphs", "eager_graphs", "recompiles", "xla_compiles", "calls", "compile_seconds",
+                              "donatable_inputs", "donated_buffers", "donation_declined",
+                              "bucketed_graphs", "unbucketed_graphs")},
         **stats,
         "eager_fallback_reasons": list(eager_fallback_reasons),
         "recompile_reasons": list(recompile_reasons),
+        "bucket_fallback_reasons": list(bucket_fallback_reasons),
         "persistent_cache_dir": compile_cache.directory(),
         "persistent_cache_hits": compile_cache.stats["persistent_cache_hits"],
         "persistent_cache_misses": compile_cache.stats["persistent_cache_misses"],
@@ -66,7 +73,32 @@ def _note_recompile(gm, example_inputs):
     recompile_reasons.append("; ".join(changed) if changed else "guards failed with the same input shapes")
 
 
-def _compile_graph(gm: torch.fx.GraphModule, example_inputs):
+@dataclass(frozen=True)
+class Options:
+    """torch.compile(..., backend="pjrt", options={...})."""
+
+    donate: bool = False  # let XLA reuse the buffers of inputs the graph overwrites
+    buckets: object = None  # None, "pow2", or sorted bucket sizes (tuple of ints)
+
+
+OPTION_HELP = ("'donate' (bool: donate the buffers of inputs the graph updates in place) and 'buckets' "
+               "(a list of increasing sizes, or 'pow2': pad dynamic sizes up to a bucket)")
+
+
+def parse_options(options) -> Options:
+    """Validate torch.compile's `options=` for this backend; errors name the bad key or value."""
+    options = dict(options or {})
+    unknown = sorted(set(options) - {"donate", "buckets"})
+    if unknown:
+        raise ValueError(f"torchpjrt: unknown torch.compile option(s) {unknown} for backend 'pjrt'; "
+                         f"supported: {OPTION_HELP}")
+    donate = options.get("donate", False)
+    if not isinstance(donate, bool):
+        raise TypeError(f"torchpjrt: torch.compile option 'donate' must be True or False, got {donate!r}")
+    return Options(donate=donate, buckets=buckets_mod.parse(options.get("buckets")))
+
+
+def _compile_graph(gm: torch.fx.GraphModule, example_inputs, options=Options(), forward=True):
     t0 = time.perf_counter()
     _note_recompile(gm, example_inputs)
     try:
@@ -77,6 +109,21 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs):
         warnings.warn(f"torchpjrt: running a compiled graph eagerly on pjrt (ops without lowering: {e})")
         return _eager(gm)
 
+    # dynamic=True graphs take sizes as SymInt inputs and may return sizes (saved for the
+    # backward): sizes are compiled in (one XLA program per size, or per bucket) and returned as ints
+    int_inputs = [i for i, e in enumerate(example_inputs) if isinstance(e, (int, torch.SymInt))]
+    if options.buckets is not None and int_inputs:
+        try:
+            bucketed = buckets_mod.BucketedGraph(gm, example_inputs, options.buckets, stats)
+        except buckets_mod.Unbucketable as e:
+            stats["unbucketed_graphs"] += 1
+            bucket_fallback_reasons.append(str(e))
+        else:
+            stats["bucketed_graphs"] += 1
+            stats["graphs"] += 1
+            stats["compile_seconds"] += time.perf_counter() - t0
+            return make_boxed_func(_bucketed_runner(bucketed, graph_mod.uses_random(gm)))
+
     def traced(*args):
         stats["xla_compiles"] += 1  # runs when jax traces: once per input signature
         return fn(*args)
@@ -84,42 +131,135 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs):
     random = graph_mod.uses_random(gm)
     stats["graphs"] += 1
     stats["compile_seconds"] += time.perf_counter() - t0
-    # dynamic=True graphs take sizes as SymInt inputs and may return sizes (saved for the
-    # backward): sizes are compiled in (one XLA program per size) and returned as ints
-    int_inputs = [i for i, e in enumerate(example_inputs) if isinstance(e, (int, torch.SymInt))]
     int_outputs = {i for i, v in enumerate(graph_mod.output_values(gm)) if isinstance(v, (int, torch.SymInt))}
-    by_sizes = {}
+    array_position = {i: 1 + i - sum(1 for j in int_inputs if j < i) for i in range(len(example_inputs))}
+    donatable = _donatable_inputs(gm, example_inputs) if options.donate and forward else {}
+    stats["donatable_inputs"] += len(donatable)
+    programs = {}
 
-    def program_for(sizes):
-        jitted = by_sizes.get(sizes)
+    def program_for(sizes, donated):
+        jitted = programs.get((sizes, donated))
         if jitted is None:
             if not int_inputs:
-                jitted = jax.jit(traced)
+                body = traced
             else:
-                def with_sizes(seed_offset, *arrays):
+                def body(seed_offset, *arrays):
                     full = list(arrays)
                     for i, v in zip(int_inputs, sizes):
                         full.insert(i, v)
                     return traced(seed_offset, *full)
 
-                jitted = jax.jit(with_sizes)
-            by_sizes[sizes] = jitted
+            jitted = jax.jit(body, donate_argnums=tuple(array_position[i] for i in donated))
+            programs[(sizes, donated)] = jitted
         return jitted
 
     def run(*args):
         seed_offset = random_state.next_seed_offset() if random else _NO_SEED
         sizes = tuple(int(args[i]) for i in int_inputs)
+        # decide before the arrays are gathered below: each gathered reference counts as a holder
+        donated = _donations(args, donatable)
         arrays = [_input(a) for i, a in enumerate(args) if i not in int_inputs]
         before, start = stats["xla_compiles"], time.perf_counter()
-        outs = fusion.call(program_for(sizes), seed_offset, *arrays)
+        outs = fusion.call(program_for(sizes, donated), seed_offset, *arrays)
+        del arrays
         if stats["xla_compiles"] != before:
             stats["compile_seconds"] += time.perf_counter() - start
         stats["calls"] += 1
+        for i in donated:
+            # the donated buffer is gone: the storage takes its new value now, before anyone reads
+            # it (AOTAutograd's epilogue then copies the same value in again)
+            storage.storage_of(args[i]).replace(outs[donatable[i]])
         return [int(fusion.concrete(o)) if i in int_outputs
                 else storage.wrap(o) if hasattr(o, "shape") and hasattr(o, "dtype") else o
                 for i, o in enumerate(outs)]
 
     return make_boxed_func(run)
+
+
+def _bucketed_runner(bucketed, random):
+    def run(*args):
+        seed_offset = random_state.next_seed_offset() if random else _NO_SEED
+        stats["calls"] += 1
+        return bucketed(seed_offset, args)
+
+    return run
+
+
+# ---- buffer donation ---------------------------------------------------------------------
+
+
+def _donatable_inputs(gm, example_inputs) -> dict:
+    """{graph input index: index of the graph output holding its new value} for the inputs whose
+    data the graph overwrites (AOTAutograd returns those new values first, in input order).
+    Empty when the graph's inputs do not line up with AOTAutograd's view of them (synthetic
+    bases for aliased inputs, extra RNG inputs): donating there could hit the wrong buffer."""
+    context = torch._guards.TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None)
+    if meta is None or len(meta.input_info) != len(example_inputs):
+        return {}
+    outputs = graph_mod.output_values(gm)
+    mutated = list(meta.mutated_inp_runtime_indices)
+    if len(outputs) < len(mutated):
+        return {}
+    donatable = {}
+    for k, i in enumerate(mutated):
+        info, example, new = meta.input_info[i], example_inputs[i], outputs[k]
+        if not (info.mutates_data and not info.mutates_metadata and not info.mutates_storage_metadata):
+            continue
+        if not (isinstance(example, torch.Tensor) and isinstance(new, torch.Tensor)):
+            continue
+        if example.device.type != "pjrt" or new.shape != example.shape or new.dtype != example.dtype:
+            continue
+        donatable[i] = k
+    return donatable
+
+
+def _donations(args, donatable) -> tuple:
+    """The donatable inputs whose buffer this call may hand to XLA: those whose storage is the
+    only holder of its array. Anything else still referencing the array (another storage that
+    shares it after a copy, a cached view, a fused graph waiting to run, a user's variable, the
+    same storage passed twice) would see a deleted buffer, so those inputs are not donated."""
+    if not donatable or fusion.recording():
+        stats["donation_declined"] += len(donatable)
+        return ()
+    seen = Counter(id(storage.storage_of(a)) for a in args
+                   if isinstance(a, torch.Tensor) and a.device.type == "pjrt")
+    chosen = []
+    for i in donatable:
+        t = args[i]
+        st = storage.storage_of(t)
+        if seen[id(st)] == 1 and storage.is_identity(t, st) and _sole_holder(st):
+            chosen.append(i)
+    stats["donated_buffers"] += len(chosen)
+    stats["donation_declined"] += len(donatable) - len(chosen)
+    return tuple(chosen)
+
+
+class _Holder:
+    __slots__ = ("array",)
+
+
+def _array_refs(holder):
+    array = holder.array
+    return sys.getrefcount(array)
+
+
+def _refs_of_a_sole_holder():
+    holder = _Holder()
+    holder.array = object()
+    return _array_refs(holder)
+
+
+# what `_array_refs` counts for an array that one storage slot alone holds (interpreter-specific)
+_SOLE_REFS = _refs_of_a_sole_holder()
+
+
+def _sole_holder(st) -> bool:
+    array = st.array
+    if array is None or not isinstance(array, jax.Array):  # unwritten, or a fused-mode Pending
+        return False
+    del array
+    return _array_refs(st) <= _SOLE_REFS
 
 
 _NO_SEED = None
@@ -149,12 +289,10 @@ def pjrt_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, options=No
 
     if mode not in MODES:
         raise ValueError(f"torchpjrt: unknown torch.compile mode {mode!r}; expected one of {MODES[1:]}")
-    if options:
-        raise NotImplementedError(
-            f"torchpjrt: torch.compile options {sorted(options)} are not supported by the pjrt backend yet "
-            "(buffer donation and shape buckets are planned); call torch.compile without options"
-        )
-    compiler = aot_autograd(fw_compiler=_compile_graph, bw_compiler=_compile_graph, decompositions=_decompositions())
+    parsed = parse_options(options)
+    compiler = aot_autograd(fw_compiler=functools.partial(_compile_graph, options=parsed, forward=True),
+                            bw_compiler=functools.partial(_compile_graph, options=parsed, forward=False),
+                            decompositions=_decompositions())
     return compiler(gm, example_inputs)
 
 

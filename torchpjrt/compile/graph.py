@@ -20,9 +20,22 @@ class UnsupportedGraph(Exception):
     """The graph holds an op the table cannot lower."""
 
 
+# Size arithmetic of dynamic-shape graphs (`s0 * s1` for a view's size): plain Python on ints,
+# since sizes are compiled in.
+SIZE_FUNCTIONS = {operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod, operator.neg,
+                  operator.truediv, torch.sym_max, torch.sym_min, torch.sym_not}
+
+
+def is_size_node(node) -> bool:
+    return node.op == "call_function" and isinstance(node.meta.get("val"), (int, torch.SymInt)) and (
+        node.target in SIZE_FUNCTIONS or node.target is torch.ops.aten.sym_size.int)
+
+
 def unsupported_ops(gm: torch.fx.GraphModule):
     missing = set()
     for node in gm.graph.nodes:
+        if is_size_node(node):
+            continue
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
             lowering = lowering_for(node.target)
             if lowering is None or lowering.has_dynamic_shape(_meta_values(node.args)) or _leaves_pjrt(node):
@@ -80,8 +93,11 @@ def output_values(gm: torch.fx.GraphModule):
     return [r.meta.get("val") if isinstance(r, torch.fx.Node) else r for r in flat]
 
 
-def to_jax_function(gm: torch.fx.GraphModule):
-    """f(seed_offset, *inputs) -> tuple of outputs, a pure function of JAX arrays."""
+def to_jax_function(gm: torch.fx.GraphModule, hooks=None):
+    """f(seed_offset, *inputs) -> tuple of outputs, a pure function of JAX arrays.
+
+    `hooks` (shape buckets) may replace an op's argument values (`hooks.arguments(node, vals)`)
+    and how an op is computed (`hooks.call(node, fn, vals)`, None to compute it as usual)."""
     missing = unsupported_ops(gm)
     if missing:
         raise UnsupportedGraph(", ".join(missing))
@@ -115,16 +131,23 @@ def to_jax_function(gm: torch.fx.GraphModule):
                     container, index = node.args
                     env[node.name] = env[container.name][index]
                     continue
+                if is_size_node(node):
+                    env[node.name] = _size_value(node, value)
+                    continue
                 op = node.target
                 lowering = TABLE[op]
                 sig = signature(op)
                 vals = sig.values([value(a) for a in node.args], {k: value(v) for k, v in node.kwargs.items()})
                 vals = [_plain(v, k) for v, k in zip(vals, sig.kinds)]
+                if hooks is not None:
+                    vals = hooks.arguments(node, vals)
                 if lowering.random:
                     key = random_state.key_from_seed_offset(seed_offset)
                     vals.append(jax.random.fold_in(key, counter))
                     counter += 1
-                out = lowering.fn(*vals)
+                out = hooks.call(node, lowering.fn, vals) if hooks is not None else None
+                if out is None:
+                    out = lowering.fn(*vals)
                 outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
                 n_regular = len(op._schema.returns)
                 outs = _cast(outs, _expected_dtypes(node))
@@ -140,6 +163,13 @@ def to_jax_function(gm: torch.fx.GraphModule):
         raise RuntimeError("graph has no output node")
 
     return run
+
+
+def _size_value(node, value):
+    if node.target is torch.ops.aten.sym_size.int:
+        tensor, dim = node.args
+        return int(value(tensor).shape[dim])
+    return node.target(*(int(a) if isinstance(a, torch.SymInt) else a for a in value(tuple(node.args))))
 
 
 def _plain(v, kind):

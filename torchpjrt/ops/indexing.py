@@ -127,8 +127,22 @@ def _index_put(self, indices, values, accumulate):
     values = jnp.asarray(values).astype(self.dtype)
     if any(_is_mask(i) for i in indices):
         indices, values = _padded_masks(self, indices, values)
+    else:
+        _check_values_fit(self, indices, values)
     ref = self.at[_index_tuple(indices)]
     return getattr(ref, _add(self.dtype) if accumulate else "set")(values, mode="drop")
+
+
+def _check_values_fit(self, indices, values):
+    # PyTorch's RuntimeError (JAX's scatter would raise a ValueError while tracing)
+    target = jax.eval_shape(lambda x, i: x[_index_tuple(i)], self, indices).shape
+    try:
+        fits = np.broadcast_shapes(values.shape, target) == tuple(target)
+    except ValueError:
+        fits = False
+    if not fits:
+        raise RuntimeError(f"shape mismatch: value tensor of shape {list(values.shape)} cannot be broadcast to "
+                           f"indexing result of shape {list(target)}")
 
 
 @lower(aten.index_put.default)
