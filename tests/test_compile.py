@@ -44,18 +44,34 @@ def test_backend_is_found_without_importing_torchpjrt():
 
 CACHED_RUN = r"""
 import json, torch, torch.nn as nn, torchpjrt
-from torchpjrt.compile import compile_stats
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)).to("pjrt")
-step = torch.compile(lambda x: model(x).square().mean(), backend="pjrt")
-loss = step(torch.randn(4, 8, device="pjrt"))
+# torch.tensor inside the graph becomes a lifted constant: it must survive the graph cache
+step = torch.compile(lambda x: (model(x) * torch.tensor([1.0, 2.0], device="pjrt")).square().mean(),
+                     backend="pjrt")
+loss = step(torch.arange(32.0, device="pjrt").reshape(4, 8) / 32)
 loss.backward()
-s = compile_stats()
-print(json.dumps({k: s[k] for k in ("persistent_cache_dir", "persistent_cache_hits", "persistent_cache_misses")}))
+
+@torch.compile(backend="pjrt", options={"donate": True})
+def update(p, g):
+    p.sub_(0.5 * g)
+
+p = torch.ones(1000, device="pjrt")
+for _ in range(2):
+    update(p, torch.full((1000,), 2.0, device="pjrt"))
+
+# bucketed graphs are not stored: each process compiles them again
+summed = torch.compile(lambda x: x.sum(1), backend="pjrt", dynamic=True, options={"buckets": [8, 16]})
+total = summed(torch.ones(2, 5, device="pjrt"))
+s = torchpjrt.compile_stats()
+print(json.dumps({**{k: s[k] for k in ("persistent_cache_dir", "persistent_cache_hits", "persistent_cache_misses",
+                                       "graph_cache_hits", "donated_buffers")},
+                  "loss": loss.item(), "grad": model[0].weight.grad.sum().item(), "p": p[0].item(),
+                  "total": total.cpu().tolist()}))
 """
 
 
-def test_a_second_process_loads_compiled_programs_from_the_persistent_cache(tmp_path):
+def test_a_second_process_loads_graphs_and_programs_from_the_persistent_cache(tmp_path):
     import json
     import os
 
@@ -68,11 +84,58 @@ def test_a_second_process_loads_compiled_programs_from_the_persistent_cache(tmp_
     cold, warm = runs
     assert cold["persistent_cache_dir"] == str(tmp_path / "cache")
     assert cold["persistent_cache_hits"] == 0 and cold["persistent_cache_misses"] > 0
-    assert warm["persistent_cache_hits"] >= cold["persistent_cache_misses"]
-    assert warm["persistent_cache_misses"] == 0
+    # every program the second process runs comes from the cache (it runs fewer: no tracing)
+    assert warm["persistent_cache_hits"] > 0 and warm["persistent_cache_misses"] == 0
+    # forward and backward of the training step, and the update: AOTAutograd skipped
+    assert cold["graph_cache_hits"] == 0 and warm["graph_cache_hits"] == 3
+    for key in ("loss", "grad", "p", "total", "donated_buffers"):
+        assert warm[key] == cold[key], key
+    assert cold["p"] == -1.0 and cold["total"] == [5.0, 5.0] and cold["donated_buffers"] >= 1
     off = subprocess.run([sys.executable, "-c", CACHED_RUN], capture_output=True, text=True, timeout=300,
                          env={**env, "TORCHPJRT_CACHE_DIR": "off"})
-    assert json.loads(off.stdout.strip().splitlines()[-1])["persistent_cache_dir"] is None
+    off_stats = json.loads(off.stdout.strip().splitlines()[-1])
+    assert off_stats["persistent_cache_dir"] is None and off_stats["graph_cache_hits"] == 0
+
+
+PRECOMPILE = r"""
+import json, sys, torch, torch.nn as nn, torchpjrt
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 2)).to("pjrt")
+x = torch.linspace(-1, 1, 32, device="pjrt").reshape(4, 8)
+
+def loss_fn(model, x):
+    return model(x).square().mean()
+
+if sys.argv[1] == "save":
+    compiled = torch.compile(loss_fn, backend="pjrt", fullgraph=True).aot_compile(((model, x), {}))
+    compiled.save_compiled_function(sys.argv[2])
+else:
+    with open(sys.argv[2], "rb") as f:
+        compiled = torch.compiler.load_compiled_function(f)
+loss = compiled(model, x)
+loss.backward()
+s = torchpjrt.compile_stats()
+print(json.dumps({"loss": loss.item(), "grad": model[0].weight.grad.sum().item(),
+                  "eager": loss_fn(model, x).item(), "graphs": s["graphs"], "graph_cache_hits": s["graph_cache_hits"]}))
+"""
+
+
+def test_torch_precompile_saves_and_loads_a_pjrt_training_graph(tmp_path):
+    """torch.compile(...).aot_compile + save_compiled_function: a new process skips Dynamo too."""
+    import json
+    import os
+
+    env = {**os.environ, "TORCHPJRT_CACHE_DIR": str(tmp_path / "cache")}
+    runs = []
+    for what in ("save", "load"):
+        r = subprocess.run([sys.executable, "-c", PRECOMPILE, what, str(tmp_path / "loss.pt2")], capture_output=True,
+                           text=True, timeout=300, env=env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    saved, loaded = runs
+    assert loaded["loss"] == saved["loss"] == saved["eager"]
+    assert loaded["grad"] == saved["grad"]
+    assert saved["graphs"] == 2 and loaded["graph_cache_hits"] == 2  # forward and backward restored
 
 
 def _compile_models():
@@ -164,8 +227,10 @@ def test_a_new_batch_size_recompiles_with_its_reason():
     assert compile_stats()["graphs"] == before["graphs"]  # same shapes: cached
     run(torch.randn(6, 8, device="pjrt"))
     after = compile_stats()
-    assert after["recompiles"] == before.get("recompiles", 0) + 1
-    assert after["recompile_reasons"][-1] == "input 2: (4, 8) -> (6, 8)"
+    # the forward and the backward compiled with it (AOTAutograd lowers both up front)
+    new_reasons = after["recompile_reasons"][len(before["recompile_reasons"]):]
+    assert after["recompiles"] == before["recompiles"] + len(new_reasons)
+    assert new_reasons[0] == "input 2: (4, 8) -> (6, 8)"
 
 
 def test_modes_are_accepted_and_bad_options_are_clear_errors():

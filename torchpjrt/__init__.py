@@ -43,11 +43,19 @@ _checkpoint.install()  # safetensors.torch.load_file(..., device="pjrt")
 from .checkpoint import load_model, load_safetensors, save_model, save_safetensors  # noqa: E402,F401
 
 
+def compile_stats() -> dict:
+    """torch.compile(backend="pjrt") counters: graphs, recompiles with their reasons, compile
+    seconds, graph and XLA program cache hits (see torchpjrt.compile.compile_stats)."""
+    from .compile import compile_stats as stats
+
+    return stats()
+
+
 def op_stats() -> dict:
     """Counts of aten calls per execution path (lowered, view, decomposed, cpu_fallback...)."""
     return dict(_dispatch.stats)
 
 
-__all__ = ["op_stats", "cpu_fallback_counts", "kernel", "export", "load_exported", "ExportError", "set_eager_mode", "get_eager_mode", "eager_mode",
+__all__ = ["compile_stats", "op_stats", "cpu_fallback_counts", "kernel", "export", "load_exported", "ExportError", "set_eager_mode", "get_eager_mode", "eager_mode",
            "eager_stats", "reset_eager_stats", "save_safetensors", "load_safetensors",
            "save_model", "load_model"]

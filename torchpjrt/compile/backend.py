@@ -35,7 +35,8 @@ def compile_stats() -> dict:
     from .. import compile_cache
 
     return {
-        **{key: 0 for key in ("graphs", "eager_graphs", "recompiles", "xla_compiles", "calls", "compile_seconds",
+        **{key: 0 for key in ("graphs", "graph_cache_hits", "eager_graphs", "recompiles", "xla_compiles", "calls",
+                              "compile_seconds",
                               "donatable_inputs", "donated_buffers", "donation_declined",
                               "bucketed_graphs", "unbucketed_graphs")},
         **stats,
@@ -61,9 +62,8 @@ def _shapes(example_inputs):
     return [tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__ for a in example_inputs]
 
 
-def _note_recompile(gm, example_inputs):
+def _note_recompile(code, shapes):
     """Dynamo hands us the same graph again when its guards failed: say what changed."""
-    code, shapes = gm.code, _shapes(example_inputs)
     before = _seen_graphs.get(code)
     _seen_graphs[code] = shapes
     if before is None:
@@ -98,16 +98,19 @@ def parse_options(options) -> Options:
     return Options(donate=donate, buckets=buckets_mod.parse(options.get("buckets")))
 
 
-def _compile_graph(gm: torch.fx.GraphModule, example_inputs, options=Options(), forward=True):
+def _compile_graph(gm: torch.fx.GraphModule, example_inputs, options=Options(), donatable=None):
+    """The boxed runner of one AOTAutograd graph, and whether the graph may be stored in the
+    on-disk graph cache (bucketed graphs keep per-size state built from symbolic shapes: not).
+    `example_inputs` needs the right types only where inputs are sizes (ints); `donatable`
+    comes from _donatable_inputs, computed while AOTAutograd's tracing context is live."""
     t0 = time.perf_counter()
-    _note_recompile(gm, example_inputs)
     try:
         fn = graph_mod.to_jax_function(gm)
     except graph_mod.UnsupportedGraph as e:
         stats["eager_graphs"] += 1
         eager_fallback_reasons.append(f"ops without lowering: {e}")
         warnings.warn(f"torchpjrt: running a compiled graph eagerly on pjrt (ops without lowering: {e})")
-        return _eager(gm)
+        return _eager(gm), True
 
     # dynamic=True graphs take sizes as SymInt inputs and may return sizes (saved for the
     # backward): sizes are compiled in (one XLA program per size, or per bucket) and returned as ints
@@ -122,7 +125,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, options=Options(), 
             stats["bucketed_graphs"] += 1
             stats["graphs"] += 1
             stats["compile_seconds"] += time.perf_counter() - t0
-            return make_boxed_func(_bucketed_runner(bucketed, graph_mod.uses_random(gm)))
+            return make_boxed_func(_bucketed_runner(bucketed, graph_mod.uses_random(gm))), False
 
     def traced(*args):
         stats["xla_compiles"] += 1  # runs when jax traces: once per input signature
@@ -133,7 +136,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, options=Options(), 
     stats["compile_seconds"] += time.perf_counter() - t0
     int_outputs = {i for i, v in enumerate(graph_mod.output_values(gm)) if isinstance(v, (int, torch.SymInt))}
     array_position = {i: 1 + i - sum(1 for j in int_inputs if j < i) for i in range(len(example_inputs))}
-    donatable = _donatable_inputs(gm, example_inputs) if options.donate and forward else {}
+    donatable = donatable or {}
     stats["donatable_inputs"] += len(donatable)
     programs = {}
 
@@ -173,7 +176,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, options=Options(), 
                 else storage.wrap(o) if hasattr(o, "shape") and hasattr(o, "dtype") else o
                 for i, o in enumerate(outs)]
 
-    return make_boxed_func(run)
+    return make_boxed_func(run), True
 
 
 def _bucketed_runner(bucketed, random):
@@ -284,16 +287,26 @@ MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cu
 def pjrt_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, options=None):
     """The Dynamo backend registered as "pjrt"."""
     from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
+    from torch._inductor.output_code import OutputCode
 
     import torchpjrt  # noqa: F401  (the device must exist; entry points may load us first)
+
+    from . import graph_cache
 
     if mode not in MODES:
         raise ValueError(f"torchpjrt: unknown torch.compile mode {mode!r}; expected one of {MODES[1:]}")
     parsed = parse_options(options)
-    compiler = aot_autograd(fw_compiler=functools.partial(_compile_graph, options=parsed, forward=True),
-                            bw_compiler=functools.partial(_compile_graph, options=parsed, forward=False),
+
+    def compiler_for(forward):
+        # an OutputCode-returning compiler is what AOTAutograd's cache stores and loads
+        return SerializableAOTDispatchCompiler(
+            OutputCode, lambda g, inputs: graph_cache.CompiledGraph(g, inputs, parsed, forward))
+
+    compiler = aot_autograd(fw_compiler=compiler_for(True), bw_compiler=compiler_for(False),
                             decompositions=_decompositions())
-    return compiler(gm, example_inputs)
+    with graph_cache.caching(parsed):
+        return compiler(gm, example_inputs)
 
 
 def register():
