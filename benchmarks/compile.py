@@ -11,7 +11,11 @@ compiled, the optimizer step eager).
 2. Cold compile: the first step of a fresh process (compilation included) for pjrt compiled
    and inductor, each with an empty cache directory.
 3. Warm start: the same first step in a second fresh process that finds the persistent
-   compilation cache the cold one wrote, as a fraction of the cold time.
+   compilation cache the cold one wrote (AOTAutograd's graphs and the XLA programs; Dynamo
+   traces the Python again), as a fraction of the cold time; inductor's warm cache alongside.
+   Then the same GPT-2 shape written in plain PyTorch through torch's precompile
+   (aot_compile + save_compiled_function with backend="pjrt"): a new process loading the
+   saved artifact skips Dynamo too.
 4. Buffer donation (options={"donate": True}): peak resident memory of a fresh process running
    a compiled SGD-with-momentum update of 256 MiB of parameters, with and without donation.
 5. Shape buckets (options={"buckets": ...}): XLA programs compiled for a small transformer
@@ -28,6 +32,10 @@ import subprocess
 import sys
 import tempfile
 import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 
 def build(device):
@@ -65,6 +73,76 @@ def make_step(target):
     return step
 
 
+class Block(nn.Module):
+    """A pre-norm GPT-2 block in plain PyTorch."""
+
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, n, d)
+        x = x + self.proj(a)
+        return x + self.mlp(self.ln2(x))
+
+
+class PlainGPT(nn.Module):
+    """The benchmark's GPT-2 shape written in plain PyTorch: torch's precompile cannot yet save
+    transformers' GPT-2 (its compiled code refers to objects by their id in the saving process),
+    and it needs classes defined at module level."""
+
+    def __init__(self, vocab=4096, d=256, heads=4, layers=4, positions=128):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(positions, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+def plain_gpt_loss(model, tokens):
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def precompiled_first_step_child(mode, path):
+    """In a fresh process: the plain GPT's first step, compiling and saving with torch's
+    precompile (mode 'save') or loading what a previous process saved (mode 'load')."""
+    import torch
+
+    import torchpjrt
+
+    torch.manual_seed(0)
+    model = PlainGPT().to("pjrt")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, 4096, (8, 128)).to("pjrt")
+    t0 = time.perf_counter()
+    if mode == "save":
+        compiled = torch.compile(plain_gpt_loss, backend="pjrt", fullgraph=True).aot_compile(((model, tokens), {}))
+        compiled.save_compiled_function(path)
+    else:
+        with open(path, "rb") as f:
+            compiled = torch.compiler.load_compiled_function(f)
+    opt.zero_grad()
+    loss = compiled(model, tokens)
+    loss.backward()
+    opt.step()
+    loss.item()
+    t1 = time.perf_counter()
+    stats = torchpjrt.compile_stats()
+    print(json.dumps({"first_step": t1 - t0, "cache_hits": stats["persistent_cache_hits"],
+                      "cache_misses": stats["persistent_cache_misses"], "graph_cache_hits": stats["graph_cache_hits"]}))
+
+
 def first_step_child(target):
     """In a fresh process: seconds from the start of the step to its end (compile included)."""
     start = time.perf_counter()
@@ -79,7 +157,7 @@ def first_step_child(target):
     from torchpjrt.compile import compile_stats
 
     stats = compile_stats()
-    print(json.dumps({"first_step": t1 - t0, "process": t1 - start,
+    print(json.dumps({"first_step": t1 - t0, "process": t1 - start, "graph_cache_hits": stats["graph_cache_hits"],
                       "cache_hits": stats["persistent_cache_hits"], "cache_misses": stats["persistent_cache_misses"]}))
 
 
@@ -163,9 +241,9 @@ def bucket_compiles():
               f"{time.perf_counter() - t0:6.1f} s for the {len(lengths)} steps")
 
 
-def run_child(target, env):
-    out = subprocess.run([sys.executable, __file__, "--child", target], capture_output=True, text=True, env=env,
-                         timeout=1800)
+def run_child(target, env, *extra):
+    out = subprocess.run([sys.executable, __file__, "--child", target, *extra], capture_output=True, text=True,
+                         env=env, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"{target} child failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -176,10 +254,13 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--parts", default="steady,cold,donation,buckets")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child and args.child[0] == "precompile":
+        precompiled_first_step_child(*args.child[1:])
+        return
     if args.child:
-        first_step_child(args.child)
+        first_step_child(args.child[0])
         return
     parts = set(args.parts.split(","))
 
@@ -225,13 +306,26 @@ def cold_and_warm():
         base = {k: v for k, v in os.environ.items() if k not in ("TORCHPJRT_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
         env = {**base, "TORCHPJRT_CACHE_DIR": os.path.join(tmp, "pjrt"), "TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "inductor")}
         cold_inductor = run_child("inductor", env)
+        warm_inductor = run_child("inductor", env)
         cold = run_child("pjrt-compile", env)
         warm = run_child("pjrt-compile", env)
-    print("first step of a fresh process (compilation included):")
+        artifact = os.path.join(tmp, "gpt.pt2")
+        saved = run_child("precompile", env, "save", artifact)
+        loaded = run_child("precompile", env, "load", artifact)
+    print("first step of a fresh process (compilation included), transformers GPT-2:")
     print(f"  inductor, cold cache     {cold_inductor['first_step']:7.2f} s")
+    print(f"  inductor, warm cache     {warm_inductor['first_step']:7.2f} s   "
+          f"({warm_inductor['first_step'] / cold_inductor['first_step']:.0%} of inductor's cold)")
     print(f"  pjrt compiled, cold      {cold['first_step']:7.2f} s   ({cold['first_step'] / cold_inductor['first_step']:.2f}x inductor's cold)")
     print(f"  pjrt compiled, warm      {warm['first_step']:7.2f} s   ({warm['first_step'] / cold['first_step']:.0%} of cold; "
-          f"{warm['cache_hits']} programs loaded from the persistent cache, {warm['cache_misses']} compiled)")
+          f"{warm['graph_cache_hits']} graphs and {warm['cache_hits']} XLA programs from the persistent cache, "
+          f"{warm['cache_misses']} programs compiled; Dynamo traces again)")
+    print("the same shape in plain PyTorch through torch's precompile "
+          "(torch.compile(..., backend='pjrt', fullgraph=True).aot_compile, save_compiled_function):")
+    print(f"  compile and save         {saved['first_step']:7.2f} s")
+    print(f"  load in a new process    {loaded['first_step']:7.2f} s   ({loaded['first_step'] / saved['first_step']:.0%} of cold; "
+          f"{loaded['graph_cache_hits']} graphs restored, {loaded['cache_hits']} XLA programs from the cache, "
+          f"{loaded['cache_misses']} compiled)")
 
 
 if __name__ == "__main__":

@@ -101,7 +101,13 @@ def _dump_graph(gm) -> bytes:
                 value = torch.empty(value.shape, dtype=value.dtype, device="meta")
             torch.fx.graph_module._assign_attr(value, root, node.target)
     bare = torch.fx.GraphModule(root, gm.graph)
-    return GraphPickler.dumps((bare, constants), PicklerOptions(ops_filter=None))
+    return GraphPickler.dumps((bare, constants), PicklerOptions(ops_filter=None, node_metadata_key_filter=_kept_metadata))
+
+
+def _kept_metadata(key: str) -> bool:
+    # the lowering reads only the example values; the rest (module stacks, source functions)
+    # can point at objects that do not pickle
+    return key == "val"
 
 
 def _load_graph(payload: bytes) -> torch.fx.GraphModule:
