@@ -211,8 +211,7 @@ REGRESSIONS = [
         Step('torch.add', (Ref(0), Ref(1)), kwargs=(('alpha', 0.5),), n_out=0, raises='RuntimeError'),
         Step('torch.add', (Ref(2), Ref(2)), kwargs=(('alpha', True),), n_out=0, raises='RuntimeError'),
         Step('torch.add', (Ref(0), Ref(1)), kwargs=(('alpha', 2),)),
-    )), id="add_alpha_check", marks=pytest.mark.xfail(
-        strict=False, reason="alpha=True reuses a cached alpha=1 kernel once one exists, skipping the check")),
+    )), id="add_alpha_check"),
     # subtraction with any bool tensor raises; heaviside does not promote
     pytest.param(Program((
         Step('input', ((2, 4), torch.bool, 898)),

@@ -302,7 +302,7 @@ class LoweredKernel:
                     dyn.append(st.value())
             elif k == SCALAR:
                 if scalar_is_static(v, i, static_positions):
-                    key.append(("s", v))
+                    key.append(("s", type(v), v))  # True == 1 == 1.0: the type tells them apart
                 else:
                     if isinstance(v, torch.Tensor):
                         v = v.item()
@@ -441,6 +441,8 @@ def _freeze(v):
         return tuple(_freeze(x) for x in v)
     if isinstance(v, torch.Tensor):
         raise TypeError("tensor in a static position")
+    if isinstance(v, (bool, int, float)):
+        return type(v), v  # True == 1 == 1.0 in a dict key; the kernel for each differs
     return v
 
 
