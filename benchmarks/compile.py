@@ -132,15 +132,29 @@ def precompiled_first_step_child(mode, path):
     else:
         with open(path, "rb") as f:
             compiled = torch.compiler.load_compiled_function(f)
-    opt.zero_grad()
-    loss = compiled(model, tokens)
-    loss.backward()
-    opt.step()
-    loss.item()
+
+    def step():
+        opt.zero_grad()
+        loss = compiled(model, tokens)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    step()
     t1 = time.perf_counter()
     stats = torchpjrt.compile_stats()
-    print(json.dumps({"first_step": t1 - t0, "cache_hits": stats["persistent_cache_hits"],
+    print(json.dumps({"first_step": t1 - t0, "steady_step": _steady(step), "cache_hits": stats["persistent_cache_hits"],
                       "cache_misses": stats["persistent_cache_misses"], "graph_cache_hits": stats["graph_cache_hits"]}))
+
+
+def _steady(step, n=3):
+    """Median seconds of n more steps: what the first step costs beyond compiling."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def first_step_child(target):
@@ -157,7 +171,8 @@ def first_step_child(target):
     from torchpjrt.compile import compile_stats
 
     stats = compile_stats()
-    print(json.dumps({"first_step": t1 - t0, "process": t1 - start, "graph_cache_hits": stats["graph_cache_hits"],
+    print(json.dumps({"first_step": t1 - t0, "steady_step": _steady(step), "process": t1 - start,
+                      "graph_cache_hits": stats["graph_cache_hits"],
                       "cache_hits": stats["persistent_cache_hits"], "cache_misses": stats["persistent_cache_misses"]}))
 
 
@@ -312,20 +327,30 @@ def cold_and_warm():
         artifact = os.path.join(tmp, "gpt.pt2")
         saved = run_child("precompile", env, "save", artifact)
         loaded = run_child("precompile", env, "load", artifact)
-    print("first step of a fresh process (compilation included), transformers GPT-2:")
-    print(f"  inductor, cold cache     {cold_inductor['first_step']:7.2f} s")
-    print(f"  inductor, warm cache     {warm_inductor['first_step']:7.2f} s   "
-          f"({warm_inductor['first_step'] / cold_inductor['first_step']:.0%} of inductor's cold)")
-    print(f"  pjrt compiled, cold      {cold['first_step']:7.2f} s   ({cold['first_step'] / cold_inductor['first_step']:.2f}x inductor's cold)")
-    print(f"  pjrt compiled, warm      {warm['first_step']:7.2f} s   ({warm['first_step'] / cold['first_step']:.0%} of cold; "
-          f"{warm['graph_cache_hits']} graphs and {warm['cache_hits']} XLA programs from the persistent cache, "
-          f"{warm['cache_misses']} programs compiled; Dynamo traces again)")
+
+    def compile_time(run):
+        return run["first_step"] - run["steady_step"]
+
+    def row(label, run, cold=None, note=""):
+        ratio = f"{compile_time(run) / compile_time(cold):6.0%}" if cold else "      "
+        first = f"{run['first_step'] / cold['first_step']:4.0%}" if cold else "    "
+        print(f"  {label:32s} {run['first_step']:7.2f} s {first}  {compile_time(run):7.2f} s {ratio}  {note}")
+
+    print("a fresh process: first step (compilation included; share of cold) and compile time = first step "
+          "minus a steady step (share of cold)")
+    print("transformers GPT-2:")
+    row("inductor, cold cache", cold_inductor)
+    row("inductor, warm cache", warm_inductor, cold_inductor)
+    row("pjrt compiled, cold", cold, note=f"{compile_time(cold) / compile_time(cold_inductor):.2f}x inductor's cold compile")
+    row("pjrt compiled, warm", warm, cold,
+        note=f"{warm['graph_cache_hits']} graphs and {warm['cache_hits']} XLA programs from the persistent cache, "
+             f"{warm['cache_misses']} programs compiled; Dynamo traces again")
     print("the same shape in plain PyTorch through torch's precompile "
           "(torch.compile(..., backend='pjrt', fullgraph=True).aot_compile, save_compiled_function):")
-    print(f"  compile and save         {saved['first_step']:7.2f} s")
-    print(f"  load in a new process    {loaded['first_step']:7.2f} s   ({loaded['first_step'] / saved['first_step']:.0%} of cold; "
-          f"{loaded['graph_cache_hits']} graphs restored, {loaded['cache_hits']} XLA programs from the cache, "
-          f"{loaded['cache_misses']} compiled)")
+    row("compile and save", saved)
+    row("load in a new process", loaded, saved,
+        note=f"{loaded['graph_cache_hits']} graphs restored, {loaded['cache_hits']} XLA programs from the cache, "
+             f"{loaded['cache_misses']} compiled")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ import copy
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -71,6 +72,7 @@ print(json.dumps({**{k: s[k] for k in ("persistent_cache_dir", "persistent_cache
 """
 
 
+@pytest.mark.slow  # three fresh processes
 def test_a_second_process_loads_graphs_and_programs_from_the_persistent_cache(tmp_path):
     import json
     import os
@@ -120,6 +122,7 @@ print(json.dumps({"loss": loss.item(), "grad": model[0].weight.grad.sum().item()
 """
 
 
+@pytest.mark.slow  # two fresh processes
 def test_torch_precompile_saves_and_loads_a_pjrt_training_graph(tmp_path):
     """torch.compile(...).aot_compile + save_compiled_function: a new process skips Dynamo too."""
     import json
@@ -169,7 +172,6 @@ def _compile_models():
     }
 
 
-import pytest  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
