@@ -204,6 +204,7 @@ sys.exit(0)
 """
 
 
+@pytest.mark.slow  # kills a child process mid-save
 @pytest.mark.parametrize("layout", ["single", "sharded"])
 def test_process_killed_mid_save_leaves_previous_checkpoint(tmp_path, layout):
     old = {"w": torch.full((64, 64), 1.0), "v": torch.full((64,), 1.0)}

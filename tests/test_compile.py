@@ -31,6 +31,7 @@ def test_compiled_training_step_matches_cpu():
         torch.testing.assert_close(b.grad.cpu(), a.grad, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # a fresh process
 def test_backend_is_found_without_importing_torchpjrt():
     code = (
         "import torch\n"

@@ -93,6 +93,7 @@ def test_other_device_index_is_a_clear_error():
         torch.zeros(2, device="pjrt:3")
 
 
+@pytest.mark.slow  # a fresh process
 def test_missing_platform_is_a_clear_error():
     code = "import torch, torchpjrt; torch.zeros(1, device='pjrt')"
     r = subprocess.run(
@@ -112,6 +113,7 @@ def test_op_stats_counts_paths():
     assert torchpjrt.op_stats()["lowered"] > before
 
 
+@pytest.mark.slow  # a fresh process
 def test_import_torch_alone_makes_pjrt_usable():
     code = (
         "import sys, torch\n"

@@ -59,6 +59,7 @@ def _python(code, **env):
                           env={**os.environ, **env})
 
 
+@pytest.mark.slow  # fresh processes, one per mode
 def test_environment_variable_selects_the_mode():
     ok = _python("import torchpjrt; print(torchpjrt.get_eager_mode())", TORCHPJRT_EAGER_MODE="fused")
     assert ok.returncode == 0, ok.stderr

@@ -95,6 +95,7 @@ def test_cpu_scalar_tensors_are_allowed_as_on_cuda():
     torch.testing.assert_close((a * torch.tensor(2.0)).cpu(), torch.full((3,), 2.0))
 
 
+@pytest.mark.slow  # a fresh process
 def test_missing_platform_is_a_clear_error():
     code = textwrap.dedent("""
         import torch

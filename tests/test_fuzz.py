@@ -96,6 +96,7 @@ def check_program(program, cpu_must_run=True):
             assert_runs_match(cpu, dev, mode)
 
 
+@pytest.mark.slow  # the sweep: 300 programs in CI
 @_fuzz_settings()
 @given(programs())
 def test_pjrt_matches_cpu(program):

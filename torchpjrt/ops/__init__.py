@@ -117,6 +117,7 @@ _FAMILIES = (
     "special",
     "distance",
     "amp",
+    "optimizers",
     "grouped_mm",
 )
 
