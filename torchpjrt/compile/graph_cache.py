@@ -12,18 +12,21 @@ decompositions it asks for and the backend options. TORCHPJRT_CACHE_DIR=off turn
 """
 
 import contextlib
+import gc
 import hashlib
 import os
 
 import jax
 import numpy as np
 import torch
+import torch.utils._pytree as pytree
 from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache
 from torch._inductor.output_code import OutputCode
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.fx._graph_pickler import GraphPickler
 from torch.fx._graph_pickler import Options as PicklerOptions
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.utils._mode_utils import no_dispatch
 
 from .. import fusion, storage
 from . import backend
@@ -101,7 +104,46 @@ def _dump_graph(gm) -> bytes:
                 value = torch.empty(value.shape, dtype=value.dtype, device="meta")
             torch.fx.graph_module._assign_attr(value, root, node.target)
     bare = torch.fx.GraphModule(root, gm.graph)
-    return GraphPickler.dumps((bare, constants), PicklerOptions(ops_filter=None, node_metadata_key_filter=_kept_metadata))
+    # example values travel as specs, rebuilt as fake tensors far faster than GraphPickler
+    # rebuilds them (it recreates storages and views, which the lowering never reads)
+    originals = {}
+    for node in gm.graph.nodes:
+        if "val" in node.meta:
+            spec = pytree.tree_map(_spec_of, node.meta["val"])
+            if not pytree.tree_any(lambda v: isinstance(v, torch.SymInt), spec):
+                originals[node] = node.meta["val"]
+                node.meta["val"] = spec
+    try:
+        return GraphPickler.dumps((bare, constants),
+                                  PicklerOptions(ops_filter=None, node_metadata_key_filter=_kept_metadata))
+    finally:
+        for node, val in originals.items():
+            node.meta["val"] = val
+
+
+class _TensorSpec:
+    """Shape, strides, dtype and device of a graph's example tensor."""
+
+    def __init__(self, t: torch.Tensor):
+        self.shape, self.stride, self.dtype, self.device = tuple(t.shape), t.stride(), t.dtype, str(t.device)
+
+
+def _spec_of(value):
+    if isinstance(value, torch.Tensor) and not any(isinstance(n, torch.SymInt) for n in (*value.shape, *value.stride())):
+        return _TensorSpec(value)
+    return value
+
+
+def _fake_of(fake_mode):
+    def rebuild(value):
+        if isinstance(value, _TensorSpec):
+            # a meta tensor wrapped directly: no trip through the fake mode's dispatch or memo
+            meta = torch.empty_strided(value.shape, value.stride, dtype=value.dtype, device="meta")
+            with no_dispatch():
+                return FakeTensor(fake_mode, meta, torch.device(value.device))
+        return value
+
+    return rebuild
 
 
 def _kept_metadata(key: str) -> bool:
@@ -111,7 +153,24 @@ def _kept_metadata(key: str) -> bool:
 
 
 def _load_graph(payload: bytes) -> torch.fx.GraphModule:
-    gm, constants = GraphPickler.loads(payload, FakeTensorMode(shape_env=ShapeEnv()))
+    # unpickling a graph allocates thousands of objects: without this, Python's cyclic
+    # collector runs full passes over torch's and JAX's heaps in the middle (a few 100 ms)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _unpickle_graph(payload)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _unpickle_graph(payload: bytes) -> torch.fx.GraphModule:
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    gm, constants = GraphPickler.loads(payload, fake_mode)
+    rebuild = _fake_of(fake_mode)
+    for node in gm.graph.nodes:
+        if "val" in node.meta:
+            node.meta["val"] = pytree.tree_map(rebuild, node.meta["val"])
     for name, (device, dtype, array) in constants.items():
         value = storage.wrap(jax.device_put(array), dtype)  # jnp.asarray would compile a program
         torch.fx.graph_module._assign_attr(value if device == "pjrt" else value.cpu(), gm, name)
