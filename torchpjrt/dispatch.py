@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch._ops import OpOverload
 
-from . import dtypes, eager, fusion, random_state, storage
+from . import dtypes, eager, fusion, kernel_cache, random_state, storage
 from .ops import TABLE, Lowering
 
 aten = torch.ops.aten
@@ -347,7 +347,7 @@ class LoweredKernel:
                 # data-dependent output shapes (nonzero, unique): the inputs must be known
                 return fn(*fusion.concrete_tree(dyn))
             if fusion._recording:
-                return fusion.record_keyed(self.fused_avals, key, fn, dyn)
+                return fusion.record_keyed(self.fused_avals, key, getattr(fn, "traceable", fn), dyn)
             return fn(*dyn)
         except TypeError as e:
             raise self._dtype_error(e, vals) from e
@@ -399,7 +399,8 @@ class LoweredKernel:
             # data-dependent output shapes: PyTorch's meta kernel can refuse them
             if not self.lowering.has_dynamic_shape(vals):
                 raise
-        fn = _compile(self.lowering, self.sig, vals[: self.n_inputs], self._static_positions, expected)
+        fn = _compile(self.lowering, self.sig, vals[: self.n_inputs], self._static_positions, expected,
+                      identity=(self.op.name(), self.op._overloadname, key))
         self.cache[key] = fn
         stats["compiled"] += 1
         return fn
@@ -446,8 +447,9 @@ def _freeze(v):
     return v
 
 
-def _compile(lowering, sig, vals, static_positions, expected):
-    """A jitted function of the dynamic arguments (tensors, traced scalars)."""
+def _compile(lowering, sig, vals, static_positions, expected, identity=None):
+    """A jitted function of the dynamic arguments (tensors, traced scalars); with `identity`
+    (what fixes its program: the op and its kernel key), one whose executable is kept on disk."""
     kinds = sig.kinds
     template = list(vals)
     dynamic = []
@@ -501,7 +503,9 @@ def _compile(lowering, sig, vals, static_positions, expected):
 
     if lowering.has_dynamic_shape(vals):
         return run
-    return jax.jit(run)
+    if identity is None:
+        return jax.jit(run)
+    return kernel_cache.CachedKernel(jax.jit(run), identity)
 
 
 def _view_reader(t):

@@ -1,0 +1,151 @@
+"""Eager kernels kept on disk as compiled executables.
+
+JAX's persistent cache (compile_cache.py) saves XLA's compile, but finding an entry means
+tracing the kernel and lowering it to StableHLO first, to hash it: some 10 ms an op, most of a
+warm process's first eager step. This layer keys each eager kernel by what already fixes its
+program inside a process (the op and dispatch's kernel key: argument shapes, dtypes, static
+values), plus what could change it between processes (torchpjrt's source, the JAX, jaxlib and
+torch versions, the device, the default dtype), and stores the serialized executable: a new
+process loads it without tracing.
+
+A loaded executable checks its arguments' placement on every call (JAX raises ValueError for
+another device or sharding): the kernel then falls back to its jitted form, which follows the
+arguments as jit does. Entries live under $TORCHPJRT_CACHE_DIR/kernels/<environment tag>;
+TORCHPJRT_CACHE_DIR=off turns this off with the rest of the cache.
+"""
+
+import hashlib
+import os
+import pickle
+import tempfile
+import threading
+from collections import Counter
+
+import jax
+import jaxlib
+import torch
+
+stats = Counter()  # kernel_cache_hits, kernel_cache_misses, kernel_cache_fallbacks, kernel_cache_unstored
+_UNSET = object()
+_directory = _UNSET
+_tag = None
+_loading = threading.Lock()
+
+
+def _environment_tag() -> str:
+    from . import storage
+
+    digest = hashlib.sha256()
+    package = os.path.dirname(os.path.abspath(__file__))
+    for dirpath, dirnames, files in os.walk(package):
+        dirnames.sort()
+        for name in sorted(files):
+            if name.endswith(".py"):
+                with open(os.path.join(dirpath, name), "rb") as f:
+                    digest.update(name.encode() + f.read())
+    device = storage.default_device()
+    digest.update(repr((jax.__version__, jaxlib.__version__, torch.__version__, device.platform,
+                        device.device_kind, str(device), jax.process_index())).encode())
+    return digest.hexdigest()[:24]
+
+
+def directory():
+    """Where kernels are kept, or None when the cache is off."""
+    global _directory, _tag
+    if _directory is _UNSET:
+        from . import compile_cache
+
+        root = compile_cache.directory()
+        if root is None:
+            _directory = None
+        else:
+            _tag = _environment_tag()
+            _directory = os.path.join(root, "kernels", _tag)
+    return _directory
+
+
+class CachedKernel:
+    """A jitted eager kernel whose first call loads its executable from disk when it can.
+
+    `traceable` is the jitted function, for callers that trace it into a larger program (fused
+    eager mode)."""
+
+    __slots__ = ("traceable", "_identity", "_call")
+
+    def __init__(self, jitted, identity):
+        self.traceable = jitted
+        self._identity = identity
+        self._call = None
+
+    def __call__(self, *args):
+        call = self._call
+        if call is None:
+            with _loading:  # one load per kernel, and one loader at a time
+                call = self._call
+                if call is None:
+                    call = self._call = self._first_call(args)
+        if call is self.traceable:
+            return call(*args)
+        try:
+            return call(*args)
+        except (TypeError, ValueError):
+            # the executable was built for other devices or argument types: jit handles them
+            stats["kernel_cache_fallbacks"] += 1
+            self._call = self.traceable
+            return self.traceable(*args)
+
+    def _first_call(self, args):
+        root = directory()
+        if root is None or not _single_device(args):
+            return self.traceable
+        key = hashlib.sha256(repr((self._identity, torch.get_default_dtype())).encode()).hexdigest()
+        path = os.path.join(root, key[:2], key)
+        try:
+            with open(path, "rb") as f:
+                payload, in_tree, out_tree = pickle.load(f)
+            from jax.experimental.serialize_executable import deserialize_and_load
+
+            compiled = deserialize_and_load(payload, in_tree, out_tree)
+            stats["kernel_cache_hits"] += 1
+            return compiled
+        except FileNotFoundError:
+            pass
+        except Exception:  # an unreadable entry (interrupted write, other format): rebuild it
+            pass
+        from . import compile_cache
+
+        # An executable JAX loaded from its own persistent cache does not serialize whole on
+        # XLA:CPU, so this compile is keyed apart from the eager path's (a dump filter that
+        # matches nothing, naming this cache's tag) and stored only when XLA really compiled.
+        hits = compile_cache.stats["persistent_cache_hits"]
+        compiled = self.traceable.lower(*args).compile(
+            compiler_options={"xla_dump_hlo_module_re": f"^torchpjrt-kernel-cache-{_tag}$"})
+        stats["kernel_cache_misses"] += 1
+        if compile_cache.stats["persistent_cache_hits"] == hits:
+            _store(path, compiled)
+        else:
+            stats["kernel_cache_unstored"] += 1
+        return compiled
+
+
+def _single_device(args) -> bool:
+    for leaf in jax.tree_util.tree_leaves(args):
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is not None and len(sharding.device_set) != 1:
+            return False
+    return True
+
+
+def _store(path, compiled) -> None:
+    from jax.experimental.serialize_executable import serialize
+
+    try:
+        data = pickle.dumps(serialize(compiled))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        # written whole or not at all: another process may be reading the same entry
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except Exception:  # an executable the runtime cannot serialize, a full disk: run uncached
+        stats["kernel_cache_unstored"] += 1
