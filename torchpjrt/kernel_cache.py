@@ -8,10 +8,11 @@ values), plus what could change it between processes (torchpjrt's source, the JA
 torch versions, the device, the default dtype), and stores the serialized executable: a new
 process loads it without tracing.
 
-A loaded executable checks its arguments' placement on every call (JAX raises ValueError for
+Processes of JAX's multi-process runtime (torch.distributed) do not use it. A loaded
+executable checks its arguments' placement on every call (JAX raises ValueError for
 another device or sharding): the kernel then falls back to its jitted form, which follows the
 arguments as jit does. Entries live under $TORCHPJRT_CACHE_DIR/kernels/<environment tag>;
-TORCHPJRT_CACHE_DIR=off turns this off with the rest of the cache.
+TORCHPJRT_KERNEL_CACHE=off turns this layer off, TORCHPJRT_CACHE_DIR=off all of the cache.
 """
 
 import hashlib
@@ -30,6 +31,7 @@ _UNSET = object()
 _directory = _UNSET
 _tag = None
 _loading = threading.Lock()
+_loaded_by_jax = set()  # kernel keys whose executable came from JAX's persistent cache
 
 
 def _environment_tag() -> str:
@@ -56,7 +58,7 @@ def directory():
         from . import compile_cache
 
         root = compile_cache.directory()
-        if root is None:
+        if root is None or os.environ.get("TORCHPJRT_KERNEL_CACHE", "on").strip().lower() in ("0", "off", "false"):
             _directory = None
         else:
             _tag = _environment_tag()
@@ -96,9 +98,11 @@ class CachedKernel:
 
     def _first_call(self, args):
         root = directory()
-        if root is None or not _single_device(args):
+        # JAX's multi-process runtime (torch.distributed on pjrt) assigns devices globally:
+        # executables stay in the process that compiled them
+        if root is None or jax.process_count() > 1 or not _single_device(args):
             return self.traceable
-        key = hashlib.sha256(repr((self._identity, torch.get_default_dtype())).encode()).hexdigest()
+        key = hashlib.sha256(repr((_tag, self._identity, torch.get_default_dtype())).encode()).hexdigest()
         path = os.path.join(root, key[:2], key)
         try:
             with open(path, "rb") as f:
@@ -110,20 +114,26 @@ class CachedKernel:
             return compiled
         except FileNotFoundError:
             pass
-        except Exception:  # an unreadable entry (interrupted write, other format): rebuild it
-            pass
+        except Exception:  # an unreadable entry (other format, damaged): dropped and rebuilt
+            try:
+                os.remove(path)
+            except OSError:
+                pass
         from . import compile_cache
 
         # An executable JAX loaded from its own persistent cache does not serialize whole on
-        # XLA:CPU, so this compile is keyed apart from the eager path's (a dump filter that
-        # matches nothing, naming this cache's tag) and stored only when XLA really compiled.
+        # XLA:CPU (it fails to run once loaded again), so this compile gets a JAX cache key of
+        # its own, one per kernel and environment (a debug-print limit that changes nothing
+        # else), and is stored only when XLA really compiled it.
+        salt = 1_000_000 + int(key[:6], 16)
         hits = compile_cache.stats["persistent_cache_hits"]
         compiled = self.traceable.lower(*args).compile(
-            compiler_options={"xla_dump_hlo_module_re": f"^torchpjrt-kernel-cache-{_tag}$"})
+            compiler_options={"xla_debug_buffer_assignment_show_max": salt})
         stats["kernel_cache_misses"] += 1
-        if compile_cache.stats["persistent_cache_hits"] == hits:
+        if compile_cache.stats["persistent_cache_hits"] == hits and key not in _loaded_by_jax:
             _store(path, compiled)
         else:
+            _loaded_by_jax.add(key)  # JAX's in-memory cache may hand the same executable back
             stats["kernel_cache_unstored"] += 1
         return compiled
 

@@ -30,9 +30,10 @@ _seen_graphs = {}  # graph code -> input shapes it was last compiled for
 
 
 def compile_stats() -> dict:
-    """Graphs compiled, eager fallbacks (with the ops that caused them), compile seconds, and
-    the persistent compilation cache's hits and misses (every XLA compile of the process)."""
-    from .. import compile_cache
+    """Graphs compiled, eager fallbacks (with the ops that caused them), compile seconds, the
+    persistent compilation cache's hits and misses (every XLA compile of the process), and the
+    eager kernels loaded from disk or compiled (kernel_cache)."""
+    from .. import compile_cache, kernel_cache
 
     return {
         **{key: 0 for key in ("graphs", "graph_cache_hits", "eager_graphs", "recompiles", "xla_compiles", "calls",
@@ -46,6 +47,8 @@ def compile_stats() -> dict:
         "persistent_cache_dir": compile_cache.directory(),
         "persistent_cache_hits": compile_cache.stats["persistent_cache_hits"],
         "persistent_cache_misses": compile_cache.stats["persistent_cache_misses"],
+        "kernel_cache_hits": kernel_cache.stats["kernel_cache_hits"],
+        "kernel_cache_misses": kernel_cache.stats["kernel_cache_misses"],
     }
 
 

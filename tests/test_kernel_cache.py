@@ -1,0 +1,75 @@
+"""Eager kernels kept on disk as executables: a second process loads them instead of tracing."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+RUN = r"""
+import json, sys, torch, torchpjrt
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).to("pjrt")
+opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+x, y = torch.randn(8, 16).to("pjrt"), torch.randn(8, 4).to("pjrt")
+losses = []
+for _ in range(3):
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(m(x), y)
+    loss.backward()
+    opt.step()
+    losses.append(loss.item())
+s = torchpjrt.compile_stats()
+print(json.dumps({"losses": losses, "hits": s["kernel_cache_hits"], "misses": s["kernel_cache_misses"]}))
+"""
+
+
+def _run(env, mode="strict"):
+    r = subprocess.run([sys.executable, "-c", RUN], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, **env, "TORCHPJRT_EAGER_MODE": mode})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow  # fresh processes
+def test_a_second_process_loads_eager_kernels_and_gets_the_same_numbers(tmp_path):
+    env = {"TORCHPJRT_CACHE_DIR": str(tmp_path / "cache")}
+    cold = _run(env)
+    warm = _run(env)
+    assert cold["hits"] == 0 and cold["misses"] > 0
+    assert warm["hits"] == cold["misses"] and warm["misses"] == 0
+    assert warm["losses"] == cold["losses"]
+    # fused eager mode traces the same kernels into larger programs: unaffected
+    assert _run(env, "fused")["losses"] == pytest.approx(cold["losses"], rel=1e-5)
+    # an unreadable entry is rebuilt, not trusted
+    entries = [os.path.join(d, f) for d, _, files in os.walk(tmp_path / "cache" / "kernels") for f in files]
+    assert len(entries) == cold["misses"]
+    for path in entries:
+        with open(path, "wb") as f:
+            f.write(b"not an executable")
+    broken = _run(env)
+    assert broken["losses"] == cold["losses"] and broken["hits"] == 0
+    assert not any(os.path.exists(p) and open(p, "rb").read() == b"not an executable" for p in entries)
+    off = _run({"TORCHPJRT_CACHE_DIR": "off"})
+    assert off["hits"] == 0 and off["misses"] == 0 and off["losses"] == cold["losses"]
+
+
+def test_a_loaded_kernel_falls_back_to_jit_for_arguments_it_was_not_built_for(tmp_path, monkeypatch):
+    import jax
+    import jax.numpy as jnp
+
+    from torchpjrt import kernel_cache
+
+    monkeypatch.setattr(kernel_cache, "_directory", str(tmp_path))
+    monkeypatch.setattr(kernel_cache, "_tag", "test")
+    monkeypatch.setattr(kernel_cache, "stats", kernel_cache.Counter())
+    identity = ("test::double", "default", ("float32", (4,)))
+    first = kernel_cache.CachedKernel(jax.jit(lambda x: x * 2), identity)
+    assert first(jnp.ones(4, jnp.float32)).tolist() == [2.0] * 4
+    again = kernel_cache.CachedKernel(jax.jit(lambda x: x * 2), identity)  # a new process's kernel
+    assert again(jnp.ones(4, jnp.float32)).tolist() == [2.0] * 4
+    assert kernel_cache.stats["kernel_cache_misses"] == 1 and kernel_cache.stats["kernel_cache_hits"] == 1
+    # arguments the executable was not compiled for: jit takes over
+    assert again(jnp.arange(3, dtype=jnp.int32)).tolist() == [0, 2, 4]
+    assert kernel_cache.stats["kernel_cache_fallbacks"] == 1
