@@ -27,7 +27,7 @@ print(json.dumps({"losses": losses, "hits": s["kernel_cache_hits"], "misses": s[
 
 def _run(env, mode="strict"):
     r = subprocess.run([sys.executable, "-c", RUN], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, **env, "TORCHPJRT_EAGER_MODE": mode})
+                       env={**os.environ, "TORCHPJRT_KERNEL_CACHE": "on", **env, "TORCHPJRT_EAGER_MODE": mode})
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -64,7 +64,8 @@ def test_a_loaded_kernel_falls_back_to_jit_for_arguments_it_was_not_built_for(tm
     monkeypatch.setattr(kernel_cache, "_directory", str(tmp_path))
     monkeypatch.setattr(kernel_cache, "_tag", "test")
     monkeypatch.setattr(kernel_cache, "stats", kernel_cache.Counter())
-    identity = ("test::double", "default", ("float32", (4,)))
+    # unique to this run: JAX's persistent cache must not know the program yet
+    identity = ("test::double", "default", ("float32", (4,)), str(tmp_path))
     first = kernel_cache.CachedKernel(jax.jit(lambda x: x * 2), identity)
     assert first(jnp.ones(4, jnp.float32)).tolist() == [2.0] * 4
     again = kernel_cache.CachedKernel(jax.jit(lambda x: x * 2), identity)  # a new process's kernel

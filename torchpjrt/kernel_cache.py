@@ -11,8 +11,8 @@ process loads it without tracing.
 Processes of JAX's multi-process runtime (torch.distributed) do not use it. A loaded
 executable checks its arguments' placement on every call (JAX raises ValueError for
 another device or sharding): the kernel then falls back to its jitted form, which follows the
-arguments as jit does. Entries live under $TORCHPJRT_CACHE_DIR/kernels/<environment tag>;
-TORCHPJRT_KERNEL_CACHE=off turns this layer off, TORCHPJRT_CACHE_DIR=off all of the cache.
+arguments as jit does. Entries live under $TORCHPJRT_CACHE_DIR/kernels/<environment tag>.
+Opt-in (TORCHPJRT_KERNEL_CACHE=on) while sharded (SPMD) programs are not covered.
 """
 
 import hashlib
@@ -58,7 +58,7 @@ def directory():
         from . import compile_cache
 
         root = compile_cache.directory()
-        if root is None or os.environ.get("TORCHPJRT_KERNEL_CACHE", "on").strip().lower() in ("0", "off", "false"):
+        if root is None or os.environ.get("TORCHPJRT_KERNEL_CACHE", "off").strip().lower() not in ("1", "on", "true"):
             _directory = None
         else:
             _tag = _environment_tag()
