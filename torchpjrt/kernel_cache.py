@@ -12,7 +12,8 @@ Processes of JAX's multi-process runtime (torch.distributed) do not use it. A lo
 executable checks its arguments' placement on every call (JAX raises ValueError for
 another device or sharding): the kernel then falls back to its jitted form, which follows the
 arguments as jit does. Entries live under $TORCHPJRT_CACHE_DIR/kernels/<environment tag>.
-Opt-in (TORCHPJRT_KERNEL_CACHE=on) while sharded (SPMD) programs are not covered.
+Opt-in (TORCHPJRT_KERNEL_CACHE=on): a process with another XLA virtual device count can
+still load executables it cannot run.
 """
 
 import hashlib
