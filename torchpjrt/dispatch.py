@@ -503,8 +503,8 @@ def _compile(lowering, sig, vals, static_positions, expected, identity=None):
 
     if lowering.has_dynamic_shape(vals):
         return run
-    if identity is None:
-        return jax.jit(run)
+    if identity is None or kernel_cache.directory() is None:
+        return jax.jit(run)  # no wrapper on the eager hot path when the layer is off
     return kernel_cache.CachedKernel(jax.jit(run), identity)
 
 

@@ -39,7 +39,7 @@ class CompiledGraph(OutputCode):
     def __init__(self, gm: torch.fx.GraphModule, example_inputs, options, forward: bool):
         super().__init__()
         self._boxed_call = True
-        self.options, self.forward = options, forward
+        self.options = options
         self.code, self.shapes = gm.code, backend._shapes(example_inputs)
         self.size_inputs = [i for i, e in enumerate(example_inputs) if isinstance(e, (int, torch.SymInt))]
         self.num_inputs = len(example_inputs)

@@ -30,6 +30,24 @@ def _check_same_lengths(what, *lists):
         raise RuntimeError(f"{what}: tensor lists must have the same number of tensors, got {sorted(lengths)}")
 
 
+def _gradient(what, p, g, grad_scale, maximize):
+    """The start of every fused step for one parameter: (opmath type, parameter and gradient in
+    it, the gradient to store back: unscaled by grad_scale, else unchanged)."""
+    if not jnp.issubdtype(p.dtype, jnp.floating):
+        raise RuntimeError(f"{what}: parameters must be floating point, got {p.dtype}")
+    op = _opmath(p.dtype)
+    param, grad, stored = p.astype(op), g.astype(op), g
+    if grad_scale is not None:
+        grad = grad / grad_scale.reshape(()).astype(op)
+        stored = grad.astype(g.dtype)
+    return op, param, -grad if maximize else grad, stored
+
+
+def _coefficient(x, op):
+    """A double coefficient rounded once to the opmath type, as the CPU kernels do."""
+    return jnp.asarray(x, jnp.float64).astype(op)
+
+
 def _skipped(found_inf, new, old):
     """`new`, or `old` where found_inf says the step is skipped."""
     if found_inf is None:
@@ -47,25 +65,16 @@ def _adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr
     lr = jnp.asarray(lr, jnp.float64).reshape(())
     out_p, out_g, out_m, out_v, out_vmax = [], [], [], [], []
     for i, (p, g, m, v, step) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, state_steps)):
-        if not jnp.issubdtype(p.dtype, jnp.floating):
-            raise RuntimeError(f"{what}: parameters must be floating point, got {p.dtype}")
-        op = _opmath(p.dtype)
+        op, param, grad, stored = _gradient(what, p, g, grad_scale, maximize)
+        out_g.append(stored)
 
-        def c(x):  # a double coefficient rounded once to the opmath type
-            return jnp.asarray(x, jnp.float64).astype(op)
+        def c(x):
+            return _coefficient(x, op)
 
         step = step.reshape(()).astype(jnp.float64)
         bias_correction1 = 1 - jnp.power(jnp.float64(beta1), step)
         bias_correction2_sqrt = jnp.sqrt(1 - jnp.power(jnp.float64(beta2), step))
         step_size = lr / bias_correction1
-        param, grad = p.astype(op), g.astype(op)
-        if grad_scale is not None:
-            grad = grad / grad_scale.reshape(()).astype(op)
-            out_g.append(grad.astype(g.dtype))
-        else:
-            out_g.append(g)
-        if maximize:
-            grad = -grad
         if decoupled:
             param = param * c(1 - lr * weight_decay)
         elif weight_decay != 0:
@@ -114,21 +123,12 @@ def _sgd(params, grads, momentum_buffers, weight_decay, momentum, lr, dampening,
     lr = jnp.asarray(lr, jnp.float64).reshape(())
     out_p, out_g, out_b = [], [], []
     for i, (p, g) in enumerate(zip(params, grads)):
-        if not jnp.issubdtype(p.dtype, jnp.floating):
-            raise RuntimeError(f"_fused_sgd_: parameters must be floating point, got {p.dtype}")
-        op = _opmath(p.dtype)
+        op, param, grad, stored = _gradient("_fused_sgd_", p, g, grad_scale, maximize)
+        out_g.append(stored)
 
         def c(x):
-            return jnp.asarray(x, jnp.float64).astype(op)
+            return _coefficient(x, op)
 
-        param, grad = p.astype(op), g.astype(op)
-        if grad_scale is not None:
-            grad = grad / grad_scale.reshape(()).astype(op)
-            out_g.append(grad.astype(g.dtype))
-        else:
-            out_g.append(g)
-        if maximize:
-            grad = -grad
         if weight_decay != 0:
             grad = grad + param * c(weight_decay)
         if momentum != 0:
