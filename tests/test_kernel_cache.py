@@ -74,3 +74,45 @@ def test_a_loaded_kernel_falls_back_to_jit_for_arguments_it_was_not_built_for(tm
     # arguments the executable was not compiled for: jit takes over
     assert again(jnp.arange(3, dtype=jnp.int32)).tolist() == [0, 2, 4]
     assert kernel_cache.stats["kernel_cache_fallbacks"] == 1
+
+
+COMPILED = r"""
+import json, torch, torchpjrt
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).to("pjrt")
+opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+x, y = torch.randn(8, 16).to("pjrt"), torch.randn(8, 4).to("pjrt")
+loss_fn = torch.compile(lambda: torch.nn.functional.mse_loss(m(x), y), backend="pjrt")
+losses = []
+for _ in range(3):
+    opt.zero_grad()
+    loss = loss_fn()
+    loss.backward()
+    opt.step()
+    losses.append(loss.item())
+s = torchpjrt.compile_stats()
+print(json.dumps({"losses": losses, "traced": s["xla_compiles"], "graphs_loaded": s["graph_cache_hits"],
+                  "hits": s["kernel_cache_hits"]}))
+"""
+
+
+def _run_compiled(env, mode="strict"):
+    r = subprocess.run([sys.executable, "-c", COMPILED], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, **env, "TORCHPJRT_EAGER_MODE": mode})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow  # fresh processes
+def test_a_second_process_loads_compiled_graphs_without_tracing_them(tmp_path):
+    env = {"TORCHPJRT_CACHE_DIR": str(tmp_path / "cache"), "TORCHPJRT_KERNEL_CACHE": "on",
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    cold = _run_compiled(env)
+    assert cold["traced"] == 2 and cold["graphs_loaded"] == 0  # forward and backward
+    warm = _run_compiled(env)
+    assert warm["graphs_loaded"] == 2 and warm["traced"] == 0 and warm["hits"] > 0
+    assert warm["losses"] == cold["losses"]
+    # without the layer, JAX's cache alone: each graph is traced again to find its program
+    assert _run_compiled({**env, "TORCHPJRT_KERNEL_CACHE": "off"})["traced"] == 2
+    # fused eager mode traces the graphs into its own programs
+    assert _run_compiled(env, "fused")["losses"] == pytest.approx(cold["losses"], rel=1e-5)

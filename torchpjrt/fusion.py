@@ -172,6 +172,7 @@ def call(fn, *args):
             return fn(*args)
         except jax.errors.JaxRuntimeError as e:
             raise device_error(e) from e
+    fn = getattr(fn, "traceable", fn)  # a kernel_cache.CachedKernel is traced as its jitted form
     leaves, treedef = jax.tree_util.tree_flatten(args)
     return _add_node(fn, treedef, leaves, _output_avals(fn, treedef, leaves))
 

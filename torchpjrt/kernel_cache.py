@@ -1,19 +1,21 @@
-"""Eager kernels kept on disk as compiled executables.
+"""Eager kernels and compiled graphs kept on disk as compiled executables.
 
 JAX's persistent cache (compile_cache.py) saves XLA's compile, but finding an entry means
-tracing the kernel and lowering it to StableHLO first, to hash it: some 10 ms an op, most of a
-warm process's first eager step. This layer keys each eager kernel by what already fixes its
-program inside a process (the op and dispatch's kernel key: argument shapes, dtypes, static
-values), plus what could change it between processes (torchpjrt's source, the JAX, jaxlib and
-torch versions, the device, the default dtype), and stores the serialized executable: a new
-process loads it without tracing.
+tracing the function and lowering it to StableHLO first, to hash it: some 10 ms an eager op,
+most of a warm process's first eager step, and a good part of a restored compiled graph's first
+call. This layer keys each eager kernel by what already fixes its program inside a process (the
+op and dispatch's kernel key: argument shapes, dtypes, static values), and each compiled graph
+by its fingerprint (compile/graph.py), plus what could change them between processes
+(torchpjrt's source, the JAX, jaxlib and torch versions, the device, the device count and XLA's
+flags, the default dtype), and stores the serialized executable: a new process loads it without
+tracing.
 
+Only single-device programs are kept, and each is loaded onto the device it was built for.
 Processes of JAX's multi-process runtime (torch.distributed) do not use it. A loaded
 executable checks its arguments' placement on every call (JAX raises ValueError for
 another device or sharding): the kernel then falls back to its jitted form, which follows the
-arguments as jit does. Entries live under $TORCHPJRT_CACHE_DIR/kernels/<environment tag>.
-Opt-in (TORCHPJRT_KERNEL_CACHE=on): a process with another XLA virtual device count can
-still load executables it cannot run.
+arguments as jit does. Entries live under $TORCHPJRT_CACHE_DIR/kernels/<environment tag>;
+TORCHPJRT_KERNEL_CACHE=off turns the layer off (JAX's cache alone then).
 """
 
 import hashlib
@@ -27,6 +29,8 @@ import jax
 import jaxlib
 import torch
 
+from . import storage
+
 stats = Counter()  # kernel_cache_hits, kernel_cache_misses, kernel_cache_fallbacks, kernel_cache_unstored
 _UNSET = object()
 _directory = _UNSET
@@ -36,8 +40,6 @@ _loaded_by_jax = set()  # kernel keys whose executable came from JAX's persisten
 
 
 def _environment_tag() -> str:
-    from . import storage
-
     digest = hashlib.sha256()
     package = os.path.dirname(os.path.abspath(__file__))
     for dirpath, dirnames, files in os.walk(package):
@@ -47,8 +49,12 @@ def _environment_tag() -> str:
                 with open(os.path.join(dirpath, name), "rb") as f:
                     digest.update(name.encode() + f.read())
     device = storage.default_device()
+    # XLA's flags (a virtual device count, a TPU runtime's arguments) and the device set shape
+    # what an executable may run on; JAX's matmul precision changes the programs themselves
     digest.update(repr((jax.__version__, jaxlib.__version__, torch.__version__, device.platform,
-                        device.device_kind, str(device), jax.process_index())).encode())
+                        device.device_kind, str(device), jax.process_index(), jax.device_count(),
+                        os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""),
+                        jax.config.jax_default_matmul_precision)).encode())
     return digest.hexdigest()[:24]
 
 
@@ -59,7 +65,7 @@ def directory():
         from . import compile_cache
 
         root = compile_cache.directory()
-        if root is None or os.environ.get("TORCHPJRT_KERNEL_CACHE", "off").strip().lower() not in ("1", "on", "true"):
+        if root is None or os.environ.get("TORCHPJRT_KERNEL_CACHE", "on").strip().lower() in ("0", "off", "false"):
             _directory = None
         else:
             _tag = _environment_tag()
@@ -107,10 +113,14 @@ class CachedKernel:
         path = os.path.join(root, key[:2], key)
         try:
             with open(path, "rb") as f:
-                payload, in_tree, out_tree = pickle.load(f)
+                payload, in_tree, out_tree, device_id = pickle.load(f)
             from jax.experimental.serialize_executable import deserialize_and_load
 
-            compiled = deserialize_and_load(payload, in_tree, out_tree)
+            # loaded onto its one device: by default JAX would spread it over all the process's
+            # devices and then expect one argument shard per device
+            client = storage.default_device().client
+            device = next(d for d in client.devices() if d.id == device_id)
+            compiled = deserialize_and_load(payload, in_tree, out_tree, backend=client, execution_devices=[device])
             stats["kernel_cache_hits"] += 1
             return compiled
         except FileNotFoundError:
@@ -128,8 +138,12 @@ class CachedKernel:
         # else), and is stored only when XLA really compiled it.
         salt = 1_000_000 + int(key[:6], 16)
         hits = compile_cache.stats["persistent_cache_hits"]
-        compiled = self.traceable.lower(*args).compile(
-            compiler_options={"xla_debug_buffer_assignment_show_max": salt})
+        try:
+            compiled = self.traceable.lower(*args).compile(
+                compiler_options={"xla_debug_buffer_assignment_show_max": salt})
+        except Exception:  # a runtime refusing the option, an error jit reports as well: jit's path
+            stats["kernel_cache_unstored"] += 1
+            return self.traceable
         stats["kernel_cache_misses"] += 1
         if compile_cache.stats["persistent_cache_hits"] == hits and key not in _loaded_by_jax:
             _store(path, compiled)
@@ -150,8 +164,14 @@ def _single_device(args) -> bool:
 def _store(path, compiled) -> None:
     from jax.experimental.serialize_executable import serialize
 
+    devices = set()
+    for sharding in jax.tree_util.tree_leaves((compiled.input_shardings, compiled.output_shardings)):
+        devices |= sharding.device_set
+    if len(devices) != 1:  # a program spanning devices (a sharding constraint inside): not kept
+        stats["kernel_cache_unstored"] += 1
+        return
     try:
-        data = pickle.dumps(serialize(compiled))
+        data = pickle.dumps((*serialize(compiled), devices.pop().id))
         os.makedirs(os.path.dirname(path), exist_ok=True)
         # written whole or not at all: another process may be reading the same entry
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp")

@@ -17,7 +17,7 @@ import jax
 import torch
 from functorch.compile import make_boxed_func
 
-from .. import fusion, random_state, storage
+from .. import fusion, kernel_cache, random_state, storage
 from ..ops import TABLE
 from . import buckets as buckets_mod
 from . import graph as graph_mod
@@ -33,7 +33,7 @@ def compile_stats() -> dict:
     """Graphs compiled, eager fallbacks (with the ops that caused them), compile seconds, the
     persistent compilation cache's hits and misses (every XLA compile of the process), and the
     eager kernels loaded from disk or compiled (kernel_cache)."""
-    from .. import compile_cache, kernel_cache
+    from .. import compile_cache
 
     return {
         **{key: 0 for key in ("graphs", "graph_cache_hits", "eager_graphs", "recompiles", "xla_compiles", "calls",
@@ -130,10 +130,6 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, options=Options(), 
             stats["compile_seconds"] += time.perf_counter() - t0
             return make_boxed_func(_bucketed_runner(bucketed, graph_mod.uses_random(gm))), False
 
-    def traced(*args):
-        stats["xla_compiles"] += 1  # runs when jax traces: once per input signature
-        return fn(*args)
-
     random = graph_mod.uses_random(gm)
     stats["graphs"] += 1
     stats["compile_seconds"] += time.perf_counter() - t0
@@ -143,20 +139,29 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, options=Options(), 
     stats["donatable_inputs"] += len(donatable)
     programs = {}
 
+    @functools.cache
+    def fingerprint():
+        return graph_mod.fingerprint(gm)
+
     def program_for(sizes, donated):
         jitted = programs.get((sizes, donated))
         if jitted is None:
             if not int_inputs:
-                body = traced
+                body = fn
             else:
                 def body(seed_offset, *arrays):
                     full = list(arrays)
                     for i, v in zip(int_inputs, sizes):
                         full.insert(i, v)
-                    return traced(seed_offset, *full)
+                    return fn(seed_offset, *full)
 
             jitted = jax.jit(body, donate_argnums=tuple(array_position[i] for i in donated))
+            if kernel_cache.directory() is not None:
+                # a new process loads the graph's executable without tracing and lowering it
+                jitted = kernel_cache.CachedKernel(jitted, ("graph", fingerprint(), sizes, donated))
             programs[(sizes, donated)] = jitted
+            # one XLA program per input signature: compiled, or found in a cache, on its first call
+            stats["xla_compiles"] += 1
         return jitted
 
     def run(*args):

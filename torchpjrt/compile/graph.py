@@ -5,6 +5,7 @@ is looked up in the same table eager execution uses; outputs are cast to the dty
 recorded for the node (node.meta["val"]), so results match eager exactly.
 """
 
+import hashlib
 import operator
 
 import jax
@@ -83,6 +84,31 @@ def uses_random(gm) -> bool:
         and TABLE.get(n.target) is not None and TABLE[n.target].random
         for n in gm.graph.nodes
     )
+
+
+def fingerprint(gm: torch.fx.GraphModule) -> str:
+    """What fixes the program to_jax_function(gm) builds, as a hash: the graph's code, each
+    node's example value (geometry and dtype: outputs are cast to it) and the contents of the
+    lifted constants, which the program holds as literals."""
+    digest = hashlib.sha256(gm.code.encode())
+    for node in gm.graph.nodes:
+        digest.update(f"{node.name}:{_describe(node.meta.get('val'))};".encode())
+        if node.op == "get_attr":
+            value = getattr(gm, node.target)
+            if isinstance(value, torch.Tensor):
+                array = np.asarray(fusion.concrete(storage.value_of(value)))
+                digest.update(f"{array.dtype}{array.shape}".encode() + array.tobytes())
+            else:
+                digest.update(repr(value).encode())
+    return digest.hexdigest()
+
+
+def _describe(val) -> str:
+    if isinstance(val, torch.Tensor):
+        return f"{val.dtype}{tuple(val.shape)}{tuple(val.stride())}"
+    if isinstance(val, (list, tuple)):
+        return "(" + ",".join(_describe(v) for v in val) + ")"
+    return repr(val)
 
 
 def output_values(gm: torch.fx.GraphModule):
