@@ -503,9 +503,7 @@ def _compile(lowering, sig, vals, static_positions, expected, identity=None):
 
     if lowering.has_dynamic_shape(vals):
         return run
-    if identity is None or kernel_cache.directory() is None:
-        return jax.jit(run)  # no wrapper on the eager hot path when the layer is off
-    return kernel_cache.CachedKernel(jax.jit(run), identity)
+    return kernel_cache.kept(jax.jit(run), identity)
 
 
 def _view_reader(t):

@@ -73,6 +73,14 @@ def directory():
     return _directory
 
 
+def kept(jitted, identity):
+    """`jitted`, kept on disk under `identity` (what fixes its program within a process) when
+    the layer is on; as it is otherwise, with no wrapper on the call path."""
+    if identity is None or directory() is None:
+        return jitted
+    return CachedKernel(jitted, identity)
+
+
 class CachedKernel:
     """A jitted eager kernel whose first call loads its executable from disk when it can.
 

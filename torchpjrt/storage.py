@@ -67,8 +67,11 @@ class Storage:
 
 @functools.lru_cache(maxsize=None)
 def _zeros_fn(shape, dtype):
+    from . import kernel_cache
+
     default_device()
-    return jax.jit(lambda: jnp.zeros(shape, dtype))
+    # every new storage starts here: a warm process loads these programs rather than tracing them
+    return kernel_cache.kept(jax.jit(lambda: jnp.zeros(shape, dtype)), ("storage.zeros", shape, str(dtype)))
 
 
 def _zeros(shape, dtype):

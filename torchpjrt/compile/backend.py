@@ -158,7 +158,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, options=Options(), 
             jitted = jax.jit(body, donate_argnums=tuple(array_position[i] for i in donated))
             if kernel_cache.directory() is not None:
                 # a new process loads the graph's executable without tracing and lowering it
-                jitted = kernel_cache.CachedKernel(jitted, ("graph", fingerprint(), sizes, donated))
+                jitted = kernel_cache.kept(jitted, ("graph", fingerprint(), sizes, donated))
             programs[(sizes, donated)] = jitted
             # one XLA program per input signature: compiled, or found in a cache, on its first call
             stats["xla_compiles"] += 1
