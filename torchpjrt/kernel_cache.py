@@ -82,7 +82,8 @@ def kept(jitted, identity):
 
 
 class CachedKernel:
-    """A jitted eager kernel whose first call loads its executable from disk when it can.
+    """A jitted program (an eager kernel, a compiled graph, a storage's zero fill) whose first
+    call loads its executable from disk when it can.
 
     `traceable` is the jitted function, for callers that trace it into a larger program (fused
     eager mode)."""

@@ -32,7 +32,8 @@ _seen_graphs = {}  # graph code -> input shapes it was last compiled for
 def compile_stats() -> dict:
     """Graphs compiled, eager fallbacks (with the ops that caused them), compile seconds, the
     persistent compilation cache's hits and misses (every XLA compile of the process), and the
-    eager kernels loaded from disk or compiled (kernel_cache)."""
+    programs (eager kernels, compiled graphs) loaded from disk as executables or compiled and
+    stored (kernel_cache)."""
     from .. import compile_cache
 
     return {
