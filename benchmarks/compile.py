@@ -11,8 +11,9 @@ compiled, the optimizer step eager).
 2. Cold compile: the first step of a fresh process (compilation included) for pjrt compiled
    and inductor, each with an empty cache directory.
 3. Warm start: the same first step in a second fresh process that finds the persistent
-   compilation cache the cold one wrote (AOTAutograd's graphs and the XLA programs; Dynamo
-   traces the Python again), as a fraction of the cold time; inductor's warm cache alongside.
+   compilation cache the cold one wrote (AOTAutograd's graphs, the XLA programs as
+   executables; Dynamo traces the Python again), as a fraction of the cold time; inductor's
+   warm cache alongside.
    Then the same GPT-2 shape written in plain PyTorch through torch's precompile
    (aot_compile + save_compiled_function with backend="pjrt"): a new process loading the
    saved artifact skips Dynamo too.
@@ -330,6 +331,10 @@ def cold_and_warm():
         saved = run_child("precompile", env, "save", artifact)
         loaded = run_child("precompile", env, "load", artifact)
 
+    def programs_from_disk(run):
+        return (f"{run['kernel_cache_hits']} XLA programs loaded as executables, {run['cache_hits']} found in "
+                f"JAX's cache, {run['cache_misses']} compiled")
+
     def compile_time(run):
         return run["first_step"] - run["steady_step"]
 
@@ -345,14 +350,12 @@ def cold_and_warm():
     row("inductor, warm cache", warm_inductor, cold_inductor)
     row("pjrt compiled, cold", cold, note=f"{compile_time(cold) / compile_time(cold_inductor):.2f}x inductor's cold compile")
     row("pjrt compiled, warm", warm, cold,
-        note=f"{warm['graph_cache_hits']} graphs and {warm['cache_hits']} XLA programs from the persistent cache, "
-             f"{warm['cache_misses']} programs compiled; Dynamo traces again")
+        note=f"{warm['graph_cache_hits']} graphs restored, {programs_from_disk(warm)}; Dynamo traces again")
     print("the same shape in plain PyTorch through torch's precompile "
           "(torch.compile(..., backend='pjrt', fullgraph=True).aot_compile, save_compiled_function):")
     row("compile and save", saved)
     row("load in a new process", loaded, saved,
-        note=f"{loaded['graph_cache_hits']} graphs restored, {loaded['cache_hits']} XLA programs from the cache, "
-             f"{loaded['cache_misses']} compiled")
+        note=f"{loaded['graph_cache_hits']} graphs restored, {programs_from_disk(loaded)}")
 
 
 if __name__ == "__main__":

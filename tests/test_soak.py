@@ -102,8 +102,15 @@ def soak(compiled=False):
 @pytest.mark.parametrize("mode", ["strict", "fused", "compiled"])
 def test_soak(mode):
     eager = "strict" if mode == "compiled" else mode
-    with torchpjrt.eager_mode(eager):
-        samples, warm, final, (first_loss, last_loss), elapsed = soak(compiled=mode == "compiled")
+    # objects from earlier tests are frozen out of the collector: a full collection every
+    # SAMPLE_EVERY steps then walks the soak's own objects, not the whole test session's heap
+    gc.collect()
+    gc.freeze()
+    try:
+        with torchpjrt.eager_mode(eager):
+            samples, warm, final, (first_loss, last_loss), elapsed = soak(compiled=mode == "compiled")
+    finally:
+        gc.unfreeze()
     steps = samples["step"]
     rss_slope, rss_rise = growth(steps, samples["rss"])
     arr_slope, arr_rise = growth(steps, samples["arrays"])
