@@ -121,3 +121,22 @@ def test_a_second_process_loads_compiled_graphs_without_tracing_them(tmp_path):
     assert off["jax_lookups"] >= cold["misses"] and off["hits"] == 0 and off["losses"] == cold["losses"]
     # fused eager mode traces the graphs into its own programs
     assert _run_compiled(env, "fused")["losses"] == pytest.approx(cold["losses"], rel=1e-5)
+
+
+
+def test_tag_directories_unused_for_two_weeks_are_removed(tmp_path):
+    import time
+
+    from torchpjrt import kernel_cache
+
+    root = tmp_path / "kernels"
+    for name in ("stale", "recent", "current"):
+        (root / name / "ab").mkdir(parents=True)
+        (root / name / "ab" / "entry").write_bytes(b"x")
+    long_ago = time.time() - kernel_cache.STALE_AFTER_S - 60
+    os.utime(root / "stale", (long_ago, long_ago))
+    os.utime(root / "current", (long_ago, long_ago))  # stale too, but this process uses it
+    kernel_cache._prune(str(root), "current")
+    assert sorted(os.listdir(root)) == ["current", "recent"]
+    assert (root / "current" / "ab" / "entry").exists()
+    assert time.time() - os.stat(root / "current").st_mtime < 60  # marked as used

@@ -70,7 +70,33 @@ def directory():
         else:
             _tag = _environment_tag()
             _directory = os.path.join(root, "kernels", _tag)
+            _prune(os.path.join(root, "kernels"), _tag)
     return _directory
+
+
+STALE_AFTER_S = 14 * 24 * 3600
+
+
+def _prune(kernels_root, tag) -> None:
+    """Each torchpjrt or JAX version (each source edit, for a developer) starts a new tag
+    directory: this process marks its own as used and removes the tags no process has used for
+    STALE_AFTER_S, so the cache does not grow with every upgrade."""
+    import shutil
+    import time
+
+    try:
+        os.makedirs(os.path.join(kernels_root, tag), exist_ok=True)
+        os.utime(os.path.join(kernels_root, tag))
+        names = os.listdir(kernels_root)
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(kernels_root, name)
+        try:
+            if name != tag and time.time() - os.stat(path).st_mtime > STALE_AFTER_S:
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def kept(jitted, identity):
