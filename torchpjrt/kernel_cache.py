@@ -28,6 +28,7 @@ from collections import Counter
 import jax
 import jaxlib
 import torch
+from jax._src import config as jax_config  # a per-compile override of JAX's cache-write threshold
 
 from . import storage
 
@@ -170,12 +171,14 @@ class CachedKernel:
         # An executable JAX loaded from its own persistent cache does not serialize whole on
         # XLA:CPU (it fails to run once loaded again), so this compile gets a JAX cache key of
         # its own, one per kernel and environment (a debug-print limit that changes nothing
-        # else), and is stored only when XLA really compiled it.
+        # else), and is stored only when XLA really compiled it. JAX does not write it to its
+        # own cache: this layer's copy is the one a later process loads.
         salt = 1_000_000 + int(key[:6], 16)
         hits = compile_cache.stats["persistent_cache_hits"]
         try:
-            compiled = self.traceable.lower(*args).compile(
-                compiler_options={"xla_debug_buffer_assignment_show_max": salt})
+            with jax_config.persistent_cache_min_compile_time_secs(1e12):
+                compiled = self.traceable.lower(*args).compile(
+                    compiler_options={"xla_debug_buffer_assignment_show_max": salt})
         except Exception:  # a runtime refusing the option, an error jit reports as well: jit's path
             stats["kernel_cache_unstored"] += 1
             return self.traceable
