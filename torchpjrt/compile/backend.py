@@ -157,7 +157,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, options=Options(), 
                     return fn(seed_offset, *full)
 
             jitted = jax.jit(body, donate_argnums=tuple(array_position[i] for i in donated))
-            if kernel_cache.directory() is not None:
+            if kernel_cache.directory() is not None:  # the graph is hashed only when the layer is on
                 # a new process loads the graph's executable without tracing and lowering it
                 jitted = kernel_cache.kept(jitted, ("graph", fingerprint(), sizes, donated))
             programs[(sizes, donated)] = jitted
