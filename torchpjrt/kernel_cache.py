@@ -152,6 +152,7 @@ class CachedKernel:
                 payload, in_tree, out_tree, device_id = pickle.load(f)
             from jax.experimental.serialize_executable import deserialize_and_load
 
+            _initialize_runtime_handlers()
             # loaded onto its one device: by default JAX would spread it over all the process's
             # devices and then expect one argument shard per device
             client = storage.default_device().client
@@ -189,6 +190,26 @@ class CachedKernel:
             _loaded_by_jax.add(key)  # JAX's in-memory cache may hand the same executable back
             stats["kernel_cache_unstored"] += 1
         return compiled
+
+
+_handlers_ready = False
+
+
+def _initialize_runtime_handlers() -> None:
+    """Readies the runtime's custom-call handlers before a stored executable is loaded.
+
+    jaxlib initializes some handlers lazily, while lowering the op that needs them: on CPU the
+    LAPACK kernels behind cholesky, inv, solve, eigh, qr, svd are looked up from scipy the
+    first time one is lowered. A loaded executable is never lowered, so in a fresh process its
+    custom calls would jump through unset pointers (a segfault). JAX's own loader of serialized
+    programs (jax.export) calls this same hook for the same reason."""
+    global _handlers_ready
+    if _handlers_ready:
+        return
+    from jax._src.export import _export
+
+    _export._ensure_backends_initialized((storage.default_device().platform,))
+    _handlers_ready = True
 
 
 def _single_device(args) -> bool:
