@@ -14,6 +14,7 @@ import torch
 
 from .. import dtypes, fusion, random_state, storage
 from ..dispatch import SCALAR, TENSOR, TENSOR_LIST, signature
+from ..kernels import OUTPUT_CHECKS
 from ..ops import TABLE, lowering_for
 
 
@@ -119,11 +120,20 @@ def output_values(gm: torch.fx.GraphModule):
     return [r.meta.get("val") if isinstance(r, torch.fx.Node) else r for r in flat]
 
 
-def to_jax_function(gm: torch.fx.GraphModule, hooks=None):
+def checked_ops(gm: torch.fx.GraphModule):
+    """The ops of the graph that carry a device check, in the order their vectors are returned
+    by to_jax_function(gm, checks=True)."""
+    return [node.target for node in gm.graph.nodes if node.op == "call_function"
+            and isinstance(node.target, torch._ops.OpOverload) and not is_size_node(node)
+            and lowering_for(node.target) is not None and lowering_for(node.target).check is not None]
+
+
+def to_jax_function(gm: torch.fx.GraphModule, hooks=None, checks=False):
     """f(seed_offset, *inputs) -> tuple of outputs, a pure function of JAX arrays.
 
     `hooks` (shape buckets) may replace an op's argument values (`hooks.arguments(node, vals)`)
-    and how an op is computed (`hooks.call(node, fn, vals)`, None to compute it as usual)."""
+    and how an op is computed (`hooks.call(node, fn, vals)`, None to compute it as usual).
+    With `checks`, the device check vectors of checked_ops(gm) follow the outputs."""
     missing = unsupported_ops(gm)
     if missing:
         raise UnsupportedGraph(", ".join(missing))
@@ -139,6 +149,7 @@ def to_jax_function(gm: torch.fx.GraphModule, hooks=None):
         env = {}
         it = iter(inputs)
         counter = 0
+        vectors = []
 
         def value(a):
             if isinstance(a, torch.fx.Node):
@@ -174,8 +185,13 @@ def to_jax_function(gm: torch.fx.GraphModule, hooks=None):
                 out = hooks.call(node, lowering.fn, vals) if hooks is not None else None
                 if out is None:
                     out = lowering.fn(*vals)
+                if checks and lowering.check is not None:
+                    vectors.append(lowering.check.find(*vals))
                 outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
                 n_regular = len(op._schema.returns)
+                if op in OUTPUT_CHECKS:
+                    # a custom kernel's outputs against its fake: before the cast below hides a dtype
+                    OUTPUT_CHECKS[op](vals, outs)
                 outs = _cast(outs, _expected_dtypes(node))
                 val = node.meta.get("val")
                 if isinstance(val, (list, tuple)) or n_regular > 1:
@@ -185,7 +201,7 @@ def to_jax_function(gm: torch.fx.GraphModule, hooks=None):
             elif node.op == "output":
                 results = node.args[0]
                 flat = results if isinstance(results, (list, tuple)) else (results,)
-                return tuple(value(r) if r is not None else None for r in flat)
+                return tuple(value(r) if r is not None else None for r in flat) + tuple(vectors)
         raise RuntimeError("graph has no output node")
 
     return run

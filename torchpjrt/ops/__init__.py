@@ -23,6 +23,12 @@ Options:
                         through the generic view kernel in dispatch.py.
   graph_only=True       used by compiled graphs only: eager execution keeps its own
                         kernel (an eager result would need strides a value cannot carry).
+  check=DeviceCheck(find, error)
+                        a validity check that needs the data (indices in range): `find`
+                        takes the lowering's arguments and returns a small vector
+                        [failed, details...] computed on the device next to the result;
+                        `error(*details)` builds the CPU's exception on the host when it
+                        failed (device_checks.py reads it asynchronously).
 
 In-place (`add_`) and `out=` (`add.out`) overloads of a lowered op need no entry: the
 generic kernels in dispatch.py derive them.
@@ -38,6 +44,31 @@ aten = torch.ops.aten
 
 
 @dataclasses.dataclass(frozen=True)
+class DeviceCheck:
+    find: Callable
+    error: Callable
+
+
+def check_vector(failed, *details, dtype=None):
+    """What a DeviceCheck's `find` returns: [failed, details...] in one small array (int64, or
+    float64 for float details), so the host reads one value per checked op."""
+    import jax.numpy as jnp
+
+    dtype = dtype or jnp.int64
+    return jnp.stack([jnp.asarray(failed).astype(dtype)] + [jnp.asarray(d).astype(dtype) for d in details])
+
+
+def first_failure(vectors):
+    """The first failed vector of several (or the first one if none failed)."""
+    import jax.numpy as jnp
+
+    if len(vectors) == 1:
+        return vectors[0]
+    stacked = jnp.stack(vectors)
+    return stacked[jnp.argmax(stacked[:, 0] != 0)]
+
+
+@dataclasses.dataclass(frozen=True)
 class Lowering:
     fn: Callable
     static: frozenset = frozenset()
@@ -46,6 +77,7 @@ class Lowering:
     dynamic_shape: bool | Callable = False
     view: bool = False
     graph_only: bool = False
+    check: DeviceCheck | None = None
 
     def has_dynamic_shape(self, args) -> bool:
         """Whether this call's output shape depends on values; `args` are the aten arguments
@@ -88,14 +120,16 @@ def lower_by_name(*names, static=(), mutates=()):
     return register
 
 
-def lower(*overloads, static=(), random=False, mutates=(), dynamic_shape=False, view=False, graph_only=False):
+def lower(*overloads, static=(), random=False, mutates=(), dynamic_shape=False, view=False, graph_only=False,
+          check=None):
     def register(fn):
         for op in overloads:
             if isinstance(op, torch._ops.OpOverloadPacket):
                 raise TypeError(f"lower() needs overloads, got the packet {op}")
             if op in TABLE:
                 raise ValueError(f"{op} is lowered twice")
-            TABLE[op] = Lowering(fn, frozenset(static), random, tuple(mutates), dynamic_shape, view, graph_only)
+            TABLE[op] = Lowering(fn, frozenset(static), random, tuple(mutates), dynamic_shape, view, graph_only,
+                                 check)
         return fn
 
     return register

@@ -1,8 +1,10 @@
 """Indexing, gathers and scatters, sorting and selection, searching and counting.
 
-Out-of-range indices: PyTorch's CPU kernels raise; these lowerings cannot check values
-inside a compiled function, so they follow JAX instead (gathers clamp, scatters drop).
-Negative indices wrap where PyTorch wraps them (advanced indexing, take, put).
+Out-of-range indices: PyTorch's CPU kernels raise. A compiled function cannot raise, so the
+lowerings follow JAX (gathers clamp, scatters drop) and each carries a DeviceCheck that finds
+the first bad index on the device; device_checks.py raises the CPU's exception for it at the
+next synchronization point. Negative indices wrap where PyTorch wraps them (advanced
+indexing, take, put, index_fill).
 
 Ops whose output shape depends on values (bool-mask indexing, nonzero, masked_select,
 unique, bincount) are registered with dynamic_shape=True: they see concrete arrays, read
@@ -18,7 +20,7 @@ import numpy as np
 import torch
 from jax import lax
 
-from . import aten, lower
+from . import DeviceCheck, aten, check_vector, first_failure, lower
 
 
 def _wrap_dim(dim, ndim):
@@ -31,6 +33,82 @@ def _is_mask(index):
 
 def _index_tuple(indices):
     return tuple(slice(None) if i is None else i for i in indices)
+
+
+# ---- device checks of index ranges --------------------------------------------------------
+
+
+def out_of_range(index, low, high, dim=0):
+    """The check vector [failed, first bad index, dim, size] of an integer `index` that must lie
+    in [low, high) (`high` is the size the message names)."""
+    flat = index.reshape(-1).astype(jnp.int64)
+    if flat.size == 0:
+        return check_vector(False, 0, dim, high)
+    bad = (flat < low) | (flat >= high)
+    return check_vector(bad.any(), flat[jnp.argmax(bad)], dim, high)
+
+
+def _dim_size(self, dim):
+    """Size of `dim` of self, treating a 0-d self as 1-d (as the index_* and scatter ops do)."""
+    return self.shape[_wrap_dim(dim, self.ndim)] if self.ndim else 1
+
+
+def _out_of_bounds(error_type, prefix=""):
+    return lambda value, dim, size: error_type(f"{prefix}index {value} is out of bounds for dimension {dim} "
+                                               f"with size {size}")
+
+
+def _out_of_range_in_self(value, dim, size):
+    return IndexError("index out of range in self")
+
+
+def _advanced_index_ranges(self, indices, *rest):
+    """x[i, j]: each integer index within [-size, size) of the dimension it indexes. The message
+    numbers it as the CPU does: its position among the index tensors (a mask counting as one
+    per dimension it covers)."""
+    vectors = []
+    dim = position = 0
+    for i in indices:
+        if _is_mask(i):
+            dim += i.ndim  # a mask covers as many dims as it has (a 0-d mask none)
+            position += i.ndim
+            continue
+        if i is not None:
+            size = self.shape[dim]
+            vectors.append(out_of_range(i, -size, size, position))
+            position += 1
+        dim += 1
+    return first_failure(vectors) if vectors else check_vector(False, 0, 0, 0)
+
+
+ADVANCED_INDEX_CHECK = DeviceCheck(_advanced_index_ranges, _out_of_bounds(IndexError))
+
+
+def _along_dim(low_wraps):
+    """A check of `index` along `dim` of self (index_select, index_add, gather, scatter, ...):
+    within [0, size), or [-size, size) when negative indices wrap."""
+    def find(self, dim, index, *rest):
+        size = _dim_size(self, dim)
+        return out_of_range(index, -size if low_wraps else 0, size, _wrap_dim(dim, self.ndim))
+
+    return find
+
+
+def _index_select_error(value, dim, size):
+    if dim == 0:  # CPU's kernels differ by dim: a row copy (IndexError) or a gather (RuntimeError)
+        return IndexError("index out of range in self")
+    return RuntimeError(f"INDICES element is out of DATA bounds, id={value} axis_dim={size}")
+
+
+def _flat_range(self, index, *rest):
+    return out_of_range(index, -self.size, self.size, 0)
+
+
+def _flat_error(value, dim, size):
+    return IndexError(f"out of range: tried to access index {value} on a tensor of {size} elements.")
+
+
+GATHER_CHECK = DeviceCheck(_along_dim(False), _out_of_bounds(RuntimeError))
 
 
 # ---- advanced indexing: x[idx], x[idx] = v ------------------------------------------------
@@ -46,13 +124,16 @@ def _has_mask(self, indices):
     return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices)
 
 
-@lower(aten.index.Tensor, aten._unsafe_index.Tensor, dynamic_shape=_has_mask)
+@lower(aten.index.Tensor, dynamic_shape=_has_mask, check=ADVANCED_INDEX_CHECK)
 def index(self, indices):
     indices = list(indices)
     if any(_is_mask(i) for i in indices):
         # the number of selected elements is data: read the masks back (a device sync)
         self, indices = _masks_to_nonzero(self, indices)
     return _take_indexed(self, indices)
+
+
+lower(aten._unsafe_index.Tensor, dynamic_shape=_has_mask)(index)  # in range by contract: unchecked
 
 
 def _masks_to_nonzero(self, indices):
@@ -145,12 +226,12 @@ def _check_values_fit(self, indices, values):
                            f"indexing result of shape {list(target)}")
 
 
-@lower(aten.index_put.default)
+@lower(aten.index_put.default, check=ADVANCED_INDEX_CHECK)
 def index_put(self, indices, values, accumulate=False):
     return _index_put(self, indices, values, accumulate)
 
 
-@lower(aten._index_put_impl_.default, mutates=("self",))
+@lower(aten._index_put_impl_.default, mutates=("self",), check=ADVANCED_INDEX_CHECK)
 def _index_put_impl_(self, indices, values, accumulate=False, unsafe=False):
     return _index_put(self, indices, values, accumulate)
 
@@ -167,7 +248,7 @@ def _as_1d(self, index):
     return self.reshape(-1) if self.ndim == 0 else self, index.reshape(-1)
 
 
-@lower(aten.index_select.default)
+@lower(aten.index_select.default, check=DeviceCheck(_along_dim(False), _index_select_error))
 def index_select(self, dim, index):
     x, index = _as_1d(self, index)
     dim = _wrap_dim(dim, self.ndim)
@@ -192,19 +273,20 @@ def _index_update(self, dim, index, source, how):
     return getattr(ref, how)(source).reshape(self.shape)
 
 
-@lower(aten.index_add.default)
+@lower(aten.index_add.default, check=GATHER_CHECK)
 def index_add(self, dim, index, source, alpha=1):
     if not (isinstance(alpha, int) and alpha == 1):
         source = source * alpha
     return _index_update(self, dim, index, source, _add(self.dtype))
 
 
-@lower(aten.index_copy.default)
+@lower(aten.index_copy.default, check=DeviceCheck(_along_dim(False), _out_of_bounds(IndexError, "index_copy_(): ")))
 def index_copy(self, dim, index, source):
     return _index_update(self, dim, index, source, "set")
 
 
-@lower(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor)
+@lower(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor,
+       check=DeviceCheck(_along_dim(True), _out_of_bounds(IndexError)))
 def index_fill(self, dim, index, value):
     x, index = _as_1d(self, index)
     dim = _wrap_dim(dim, self.ndim)
@@ -232,7 +314,7 @@ def _scatter_setup(self, dim, index, src):
     return x, _gather_indices(index, dim), src
 
 
-@lower(aten.gather.default)
+@lower(aten.gather.default, check=GATHER_CHECK)
 def gather(self, dim, index, sparse_grad=False):
     if index.size == 0:  # PyTorch skips its shape checks for an empty index
         return jnp.zeros(index.shape, self.dtype)
@@ -247,7 +329,7 @@ def _scatter(self, dim, index, src, how):
     return getattr(x.at[idx], how)(src).reshape(self.shape)
 
 
-@lower(aten.scatter.src, aten.scatter.value)
+@lower(aten.scatter.src, aten.scatter.value, check=GATHER_CHECK)
 def scatter(self, dim, index, src):
     return _scatter(self, dim, index, src, "set")
 
@@ -255,12 +337,12 @@ def scatter(self, dim, index, src):
 _SCATTER_REDUCE = {"add": "add", "multiply": "multiply", "sum": "add", "prod": "multiply", "amax": "max", "amin": "min"}
 
 
-@lower(aten.scatter.reduce, aten.scatter.value_reduce)
+@lower(aten.scatter.reduce, aten.scatter.value_reduce, check=GATHER_CHECK)
 def scatter_reduce_legacy(self, dim, index, src, reduce):
     return _scatter(self, dim, index, src, _SCATTER_REDUCE[reduce])
 
 
-@lower(aten.scatter_add.default)
+@lower(aten.scatter_add.default, check=GATHER_CHECK)
 def scatter_add(self, dim, index, src):
     return _scatter(self, dim, index, src, _add(self.dtype))
 
@@ -293,7 +375,7 @@ def _reduce_into(x, idx, src, reduce, include_self):
     return out
 
 
-@lower(aten.scatter_reduce.two)
+@lower(aten.scatter_reduce.two, check=GATHER_CHECK)
 def scatter_reduce(self, dim, index, src, reduce, include_self=True):
     if index.size == 0:
         return self
@@ -301,7 +383,7 @@ def scatter_reduce(self, dim, index, src, reduce, include_self=True):
     return _reduce_into(x, idx, src, reduce, include_self).reshape(self.shape)
 
 
-@lower(aten.index_reduce.default)
+@lower(aten.index_reduce.default, check=DeviceCheck(_along_dim(False), _out_of_range_in_self))
 def index_reduce(self, dim, index, source, reduce, include_self=True):
     x, index = _as_1d(self, index)
     dim = _wrap_dim(dim, self.ndim)
@@ -359,12 +441,12 @@ def nonzero_static(self, size, fill_value=-1):
 # ---- flat take / put -------------------------------------------------------------------------
 
 
-@lower(aten.take.default)
+@lower(aten.take.default, check=DeviceCheck(_flat_range, _flat_error))
 def take(self, index):
     return self.reshape(-1)[index]
 
 
-@lower(aten.put.default)
+@lower(aten.put.default, check=DeviceCheck(_flat_range, _flat_error))
 def put(self, index, source, accumulate=False):
     ref = self.reshape(-1).at[index.reshape(-1)]
     src = source.reshape(-1).astype(self.dtype)
@@ -723,7 +805,9 @@ def _histogramdd_from_bin_tensors(self, bins, weight=None, density=False):
 
 @lower(aten.bincount.default, dynamic_shape=True)
 def bincount(self, weights=None, minlength=0):
-    length = max(int(jnp.max(self)) + 1 if self.size else 0, minlength)  # the length is data
+    if self.size and int(jnp.min(self)) < 0:  # the values are read here anyway (the length is data)
+        raise RuntimeError("bincount only supports 1-d non-negative integral inputs.")
+    length = max(int(jnp.max(self)) + 1 if self.size else 0, minlength)
     if weights is None:
         return jnp.bincount(self, length=length).astype(jnp.int64)
     # PyTorch keeps float weights' dtype and accumulates anything else in double
@@ -734,7 +818,9 @@ def bincount(self, weights=None, minlength=0):
 # ---- embedding -----------------------------------------------------------------------------------
 
 
-@lower(aten.embedding.default)
+@lower(aten.embedding.default,
+       check=DeviceCheck(lambda weight, indices, *rest: out_of_range(indices, 0, weight.shape[0]),
+                         _out_of_range_in_self))
 def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     return weight[indices]
 
@@ -784,10 +870,22 @@ def _bag_keep(indices, padding_idx):
     return indices != padding_idx if padding_idx >= 0 else jnp.ones(indices.shape, bool)
 
 
+def _bag_indices_in_range(weight, indices, *rest):
+    flat = indices.reshape(-1).astype(jnp.int64)
+    bad = (flat < 0) | (flat >= weight.shape[0])
+    position = jnp.argmax(bad) if flat.size else 0
+    return check_vector(bad.any(), position, flat[position] if flat.size else 0, weight.shape[0])
+
+
+def _bag_index_error(position, value, rows):
+    return RuntimeError(f"Index {position} of input takes value {value} which is not in the valid range [0, {rows})")
+
+
 @lower(
     aten._embedding_bag.default,
     aten._embedding_bag_forward_only.default,
     static=("mode", "padding_idx"),
+    check=DeviceCheck(_bag_indices_in_range, _bag_index_error),
 )
 def _embedding_bag(
     weight,

@@ -14,7 +14,7 @@ import numpy as np
 from jax import lax
 
 from ..dtypes import LOW_PRECISION
-from . import TABLE, aten, lower
+from . import TABLE, DeviceCheck, aten, check_vector, lower
 
 
 
@@ -522,7 +522,16 @@ def _nll_backward(grad_output, self, target, weight, reduction, ignore_index, to
     return jnp.where(hit, jnp.expand_dims(per, 1), 0).reshape(self.shape)
 
 
-@lower(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+def _nll_targets_in_range(self, target, weight, reduction, ignore_index):
+    classes = self.shape[-1] if self.ndim == 1 else self.shape[1]
+    flat = target.reshape(-1).astype(jnp.int64)
+    bad = ((flat < 0) | (flat >= classes)) & (flat != ignore_index)
+    first = flat[jnp.argmax(bad)] if flat.size else 0
+    return check_vector(bad.any(), first)
+
+
+@lower(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default,
+       check=DeviceCheck(_nll_targets_in_range, lambda target: IndexError(f"Target {target} is out of bounds.")))
 def nll_loss_forward(self, target, weight, reduction, ignore_index):
     return _nll_forward(self, target, weight, reduction, ignore_index)
 

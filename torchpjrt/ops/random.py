@@ -14,7 +14,7 @@ import torch
 from jax import lax
 
 from .. import dtypes
-from . import aten, lower
+from . import DeviceCheck, aten, check_vector, lower
 from .factory import schema_dtype
 
 
@@ -53,7 +53,15 @@ def _check_float(x, name):
 # ---- continuous distributions filling a tensor ------------------------------------------
 
 
-@lower(aten.uniform_.default, random=True, mutates=("self",))
+def _uniform_range(self, from_=0.0, to=1.0, *rest):
+    return check_vector(jnp.asarray(from_) > jnp.asarray(to), from_, to, dtype=jnp.float64)
+
+
+def _uniform_error(from_, to):
+    return RuntimeError(f"uniform_ expects to return a [from, to) range, but found from={from_:g} > to={to:g}")
+
+
+@lower(aten.uniform_.default, random=True, mutates=("self",), check=DeviceCheck(_uniform_range, _uniform_error))
 def uniform_(self, from_=0.0, to=1.0, generator=None, key=None):
     _check_generator(generator)
     _check_float(self, "check_uniform_bounds")
@@ -250,7 +258,22 @@ def randperm_generator(n, generator, dtype=None, layout=None, device=None, pin_m
     return randperm(n, dtype, layout, device, pin_memory, key)
 
 
-@lower(aten.multinomial.default, random=True)
+def _multinomial_distribution(self, *rest):
+    p = self.astype(_draw_dtype(self.dtype))
+    invalid = ~jnp.isfinite(p) | (p < 0)
+    empty = p.sum(-1) <= 0
+    problem = jnp.where(invalid.any(), 1, jnp.where(empty.any(), 2, 0))
+    return check_vector(problem != 0, problem)
+
+
+_MULTINOMIAL_ERRORS = {
+    1: "probability tensor contains either `inf`, `nan` or element < 0",
+    2: "invalid multinomial distribution (sum of probabilities <= 0)",
+}
+
+
+@lower(aten.multinomial.default, random=True,
+       check=DeviceCheck(_multinomial_distribution, lambda problem: RuntimeError(_MULTINOMIAL_ERRORS[problem])))
 def multinomial(self, num_samples, replacement=False, generator=None, key=None):
     _check_generator(generator)
     logits = jnp.log(self.astype(_draw_dtype(self.dtype)))
