@@ -344,6 +344,57 @@ def test_debug_nan_check_names_the_op_that_produced_it():
     assert torch.log(x).isnan().any().item()  # strict mode does not check
 
 
+def test_debug_nan_check_takes_the_users_nan_and_inf_for_data():
+    # non-finite values from the host, a factory or a scalar argument are the user's, not a fault
+    inf, nan = float("inf"), float("nan")
+    torchpjrt.set_eager_mode("debug", check_nans=True)
+    mask = torch.full((3, 3), -inf).triu(1).to(DEV)  # a causal mask made on the host
+    assert mask[0, 1].item() == -inf
+    torch.tensor([-inf, 0.0], device=DEV)
+    torch.tensor([nan, 1.0], device=DEV, dtype=torch.bfloat16)
+    torch.tensor([complex(inf, 0)], device=DEV)
+    torch.tensor([inf]).to(DEV).clone()
+    torch.full((2,), -inf, device=DEV)
+    torch.zeros(2, device=DEV).fill_(inf)
+    torch.zeros(4, device=DEV)[::2].copy_(torch.tensor([inf, 0.0]))
+    keep = torch.tensor([True, False], device=DEV)
+    torch.zeros(2, device=DEV).masked_fill(keep, -inf)
+    torch.zeros(2, device=DEV).masked_fill(keep, torch.tensor(-inf))  # a 0-dim host tensor
+    t = torch.zeros(2, device=DEV)
+    t[0] = -inf
+    torch._foreach_add_([torch.zeros(2, device=DEV)], inf)
+    q = torch.randn(1, 3, 4, device=DEV)
+    out = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    assert out.isfinite().all().item()
+
+
+def test_debug_nan_check_still_names_faults_in_place_and_out():
+    # the inputs an in-place or out= op overwrites count with what they held before it ran
+    torchpjrt.set_eager_mode("debug", check_nans=True)
+    produced = "produced NaN/Inf.*from finite inputs"
+    with pytest.raises(RuntimeError, match="aten::log.default " + produced):
+        torch.log(torch.zeros(3, device=DEV) - 1)
+    with pytest.raises(RuntimeError, match="aten::div.Tensor " + produced):
+        torch.zeros(3, device=DEV) / torch.zeros(3, device=DEV)
+    with pytest.raises(RuntimeError, match="aten::div.Tensor " + produced):
+        torch.ones(2, device=DEV) / torch.tensor(0.0)  # a finite host scalar tensor
+    with pytest.raises(RuntimeError, match="aten::div_.Tensor " + produced):
+        torch.ones(2, device=DEV).div_(0)
+    with pytest.raises(RuntimeError, match="aten::log_.default " + produced):
+        torch.tensor([-float("inf"), -1.0, 2.0, 3.0], device=DEV)[1:3].log_()  # a view; its base holds -inf elsewhere
+    with pytest.raises(RuntimeError, match="aten::log.out " + produced):
+        torch.log(torch.tensor([-1.0, 1.0], device=DEV), out=torch.full((2,), float("nan"), device=DEV))
+    with pytest.raises(RuntimeError, match="aten::div.out " + produced):
+        a = torch.zeros(2, device=DEV)
+        torch.div(a, a, out=a)
+    with pytest.raises(RuntimeError, match="aten::_foreach_div_.Scalar " + produced):
+        torch._foreach_div_([torch.zeros(2, device=DEV)], 0.0)
+    with pytest.raises(RuntimeError, match="aten::_to_copy.default " + produced):
+        torch.tensor([1e6]).to(DEV).half()  # an overflow made on the device
+    # a NaN already in self is passed along, not blamed again
+    torch.tensor([float("nan"), 1.0], device=DEV).add_(1)
+
+
 def test_debug_op_log(caplog):
     torchpjrt.set_eager_mode("debug", log_ops=True)
     a = torch.ones(2, 3, device=DEV)

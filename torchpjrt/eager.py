@@ -195,6 +195,8 @@ def run_debug(op, kernel, args, kwargs):
     level = getattr(_depth, "n", 0)
     _depth.n = level + 1
     t0 = time.perf_counter()
+    # an in-place or out= op overwrites its own inputs: keep what they held before it ran
+    before = _overwritten_inputs(op, args, kwargs) if check_nans and level == 0 else None
     try:
         check = _INDEX_CHECKS.get(op)
         if check is not None:
@@ -220,7 +222,7 @@ def run_debug(op, kernel, args, kwargs):
         log.info("%s%s  %s -> %s  %.3f ms", "  " * level, name, _describe(_tensors((args, list(kwargs.values())))),
                  _describe(outs), elapsed * 1e3)
     if check_nans and level == 0:
-        _check_finite(name, args, kwargs, outs, arrays)
+        _check_finite(op, name, args, kwargs, outs, arrays, before)
     return result
 
 
@@ -252,19 +254,93 @@ def _finite(a):
     return jnp.isfinite(a).all()
 
 
-def _check_finite(name, args, kwargs, outs, arrays):
-    """Name the op that *produced* a NaN/Inf: one whose inputs were all finite."""
+_arg_roles = {}
+
+
+def _roles(op):
+    """Per schema argument: (name, written by the op, an out= argument)."""
+    roles = _arg_roles.get(op)
+    if roles is None:
+        roles = _arg_roles[op] = tuple(
+            (a.name, a.alias_info is not None and a.alias_info.is_write, a.is_out) for a in op._schema.arguments
+        )
+    return roles
+
+
+def _by_role(op, args, kwargs):
+    """(value, written, is_out) for each argument passed; unknown ones count as read-only inputs."""
+    roles = _roles(op)
+    by_name = {r[0]: r for r in roles}
+    for i, v in enumerate(args):
+        yield (v,) + (roles[i][1:] if i < len(roles) else (False, False))
+    for k, v in kwargs.items():
+        yield (v,) + (by_name[k][1:] if k in by_name else (False, False))
+
+
+def _storage_key(t):
+    try:
+        return id(t.untyped_storage()._pjrt)
+    except Exception:  # noqa: BLE001 - not pjrt-backed
+        return None
+
+
+def _overwritten_inputs(op, args, kwargs):
+    """{id(tensor): array before the op} for the pjrt inputs sharing storage with a tensor the
+    op writes (self of an in-place op, out=). None when the op writes nothing.
+
+    After the op these hold its result, so reading them then would take a NaN the op made for
+    one it was given. JAX arrays are immutable: this keeps a reference, and for a view it is the
+    read the op itself makes (cached per storage version)."""
+    written = {_storage_key(t) for v, w, _ in _by_role(op, args, kwargs) if w
+               for t in _tensors(v) if t.device.type == "pjrt"}
+    written.discard(None)
+    if not written:
+        return None
+    return {id(t): _array_of(t) for v, _, is_out in _by_role(op, args, kwargs) if not is_out
+            for t in _tensors(v) if t.device.type == "pjrt" and _storage_key(t) in written}
+
+
+def _nonfinite_scalar(v) -> bool:
+    if isinstance(v, (list, tuple)):
+        return any(_nonfinite_scalar(x) for x in v)
+    if isinstance(v, (float, complex, np.floating, np.complexfloating)):
+        return not np.isfinite(v)
+    return False
+
+
+def _tensor_finite(t, before) -> bool:
+    if not (t.is_floating_point() or t.is_complex()):
+        return True
+    if t.device.type == "pjrt":
+        a = before[id(t)] if before is not None and id(t) in before else _array_of(t)
+        return a is None or _all_finite(a)
+    if t.device.type == "meta":
+        return True
+    return bool(torch.isfinite(t).all())  # a host tensor: the user's data
+
+
+def _check_finite(op, name, args, kwargs, outs, arrays, before):
+    """Name the op that *produced* a NaN/Inf: one whose inputs were all finite.
+
+    NaN/Inf the user supplied is data, not a fault: an op is not blamed when any input holds
+    one (a host tensor being copied in, or a pjrt one an earlier op was already blamed for),
+    when a scalar argument is one (full/fill_/masked_fill with -inf, as attention masks do), or
+    when it has no tensor inputs at all (a factory: its values are its arguments). A written
+    argument counts with what it held before the op; the old contents of out= are not inputs.
+    """
+    if not outs and before is not None:  # an in-place op that returns nothing (_foreach_add_)
+        outs = [t for v, w, _ in _by_role(op, args, kwargs) if w for t in _tensors(v) if t.device.type == "pjrt"]
+        arrays = [_array_of(t) for t in outs]
     bad = [i for i, a in enumerate(arrays) if a is not None and not _all_finite(a)]
     if not bad:
         return
-    for v in _tensors((args, list(kwargs.values()))):
-        if v.device.type == "pjrt":
-            a = _array_of(v)
-            if a is not None and not _all_finite(a):
-                return  # the NaN/Inf came in; the op that made it was already reported
-    for v in list(args) + list(kwargs.values()):
-        if isinstance(v, float) and not np.isfinite(v):
-            return  # an explicit inf/nan scalar (masked_fill(mask, -inf))
+    inputs = [t for v, _, is_out in _by_role(op, args, kwargs) if not is_out for t in _tensors(v)]
+    if not inputs:
+        return  # a factory (empty, scalar_tensor, linspace, ...): its values are the user's
+    if any(_nonfinite_scalar(v) for v in list(args) + list(kwargs.values())):
+        return  # an explicit inf/nan scalar (masked_fill(mask, -inf), fill_(inf))
+    if not all(_tensor_finite(t, before) for t in inputs):
+        return  # the NaN/Inf came in: from the host, or from an op already reported
     i = bad[0]
     raise RuntimeError(
         f"torchpjrt: {name} produced NaN/Inf in output {i} ({_describe([outs[i]])[1:-1]}) from finite "
