@@ -31,6 +31,96 @@ def _close(pj, ref):
         torch.testing.assert_close(pj.detach().cpu(), ref.detach(), rtol=1e-4, atol=1e-5)
 
 
+# ---- how low-precision results are compared -------------------------------------------------
+# bfloat16 keeps 8 significant bits: rounding a value to it moves it by at most u = 2**-8 (half
+# of finfo(bfloat16).eps) of its magnitude. Kernels differ in what else they round on the way.
+# oneDNN and XLA accumulate in float32 and round once; on x86-64 CPUs without AVX512 (AVX2-only
+# ones such as AMD EPYC Milan) PyTorch's CPU kernel computes conv_transpose2d as one GEMM per
+# kernel tap, rounds each tap's result to bfloat16 and adds the taps in bfloat16 (col2im). Each
+# such rounding of a partial result moves it by at most u times the sum of the magnitudes of the
+# terms in it, which is at most `mag`, the op applied to the inputs' absolute values. Where the
+# terms cancel, that is far more than u * |result|, so the two kernels legitimately differ by
+# several units in the last place of a small result. Results are therefore compared with the
+# exact value (float64 on the inputs as autocast casts them), not with each other:
+#     |y - exact| <= u * (|exact| + roundings * mag)
+# with `roundings` the partial results a kernel for the op may round. That envelope cannot see
+# a small systematic error (a result scaled by 1.01 stays inside it wherever terms cancel), so
+# each op also runs on small-integer inputs: every product and partial sum is then an integer
+# below 256, exact in bfloat16, and any correct kernel, in any order and at any accumulation
+# precision, returns the exact result.
+
+U_BF16 = torch.finfo(BF16).eps / 2
+
+# Partial results a kernel may round to bfloat16 besides the output (default 1: a GEMM result
+# rounded before a bias or `input` term is added to it).
+_ROUNDINGS = {
+    "prelu": 0,  # one product of two bfloat16 values: exact in float32, rounded once
+    "addbmm": 2,  # the CPU kernel adds each batch's product into the bfloat16 result
+    "conv_transpose2d.input": 3 * 3,  # one per kernel tap (col2im in bfloat16, see above)
+}
+
+
+def _cast(inputs, to_type):
+    """The inputs as autocast hands them to the op, in float64 (exact for bfloat16 values)."""
+    return [x.to(to_type).double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+            for x in inputs]
+
+
+def _sdpa_magnitude(q, k, v):
+    # a kernel may round q * scale and the scores s = q k^T scale (each rounding moves a score by
+    # at most u |q||k|^T scale) and the weights p = softmax(s) (by u p). A change ds of the scores
+    # moves p_j by p_j (ds_j - sum_i p_i ds_i), so the output by at most 2 max|ds| (p @ |v|).
+    scale = q.shape[-1] ** -0.5
+    p = torch.softmax(q @ k.transpose(-2, -1) * scale, -1)
+    s_abs = (q.abs() @ k.abs().transpose(-2, -1) * scale).amax(-1, keepdim=True)
+    return (p @ v.abs()) * (1 + 4 * s_abs)
+
+
+def _magnitude(name, fn, cast, exact):
+    if name == "scaled_dot_product_attention":
+        return _sdpa_magnitude(*cast)
+    if name == "prelu":
+        return exact.abs()
+    # a sum of products of inputs (matmuls, convolutions, bias terms): the sum of |terms|
+    return fn(*[x.abs() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in cast])
+
+
+def _within(y, exact, bound, what):
+    y = y.detach().cpu().double().flatten()
+    exact = exact.flatten()
+    assert y.shape == exact.shape, (what, y.shape, exact.shape)
+    err = (y - exact).abs()
+    bound = torch.as_tensor(bound, dtype=torch.float64).flatten().expand_as(err)
+    i = int((err - bound).argmax())
+    assert err[i] <= bound[i], (f"{what}: |y - exact| = {err[i]:.4g} > {bound[i]:.4g} at flat index {i} "
+                                f"(y {y[i]:.6g}, exact {exact[i]:.6g})")
+
+
+def _integer_valued(name, inputs):
+    """Same shapes and dtypes, values in {-2, ..., 2}: with at most 27 products (of at most 4) and
+    a bias term in a sum, every partial sum is an integer below 256, exact in bfloat16. For
+    attention q = 0: the weights are exactly 1/8 (eight keys), the output the exact mean of v."""
+    g = torch.Generator().manual_seed(1)
+    out = [torch.randint(-2, 3, x.shape, generator=g).to(x.dtype) if isinstance(x, torch.Tensor)
+           and x.is_floating_point() else x for x in inputs]
+    if name == "scaled_dot_product_attention":
+        out[0] = torch.zeros_like(out[0])
+    return out
+
+
+def _check_low_precision(name, fn, inputs, to_type, run):
+    """run(fn, inputs) -> result in bfloat16: within the rounding envelope of the exact result on
+    `inputs`, and exact on small-integer inputs of the same shapes."""
+    cast = _cast(inputs, to_type)
+    exact = fn(*cast)
+    bound = U_BF16 * (exact.abs() + _ROUNDINGS.get(name, 1) * _magnitude(name, fn, cast, exact))
+    _within(run(fn, inputs), exact, bound, f"{name} on random inputs")
+    ints = _integer_valued(name, inputs)
+    # exact, up to a float32 residue far below the grid of possible results (an FFT or Winograd
+    # convolution, as a GPU may pick, can leave 1e-7 where the result is 0)
+    _within(run(fn, ints), fn(*_cast(ints, to_type)), 2.0**-10, f"{name} on integer inputs")
+
+
 # ---- the lists ------------------------------------------------------------------------------
 
 
@@ -109,7 +199,7 @@ AGREE = [
     ("conv_transpose2d.input", F.conv_transpose2d, lambda: [_cpu(2, 3, 5, 5), _cpu(3, 4, 3, 3)]),
     ("prelu", F.prelu, lambda: [_cpu(4, 3, 5), _cpu(3)]),
     ("scaled_dot_product_attention", F.scaled_dot_product_attention,
-     lambda: [_cpu(1, 2, 6, 8), _cpu(1, 2, 6, 8), _cpu(1, 2, 6, 8)]),
+     lambda: [_cpu(1, 2, 8, 8), _cpu(1, 2, 8, 8), _cpu(1, 2, 8, 8)]),
     ("mse_loss", F.mse_loss, lambda: [_cpu(4, 5, dtype=BF16), _cpu(4, 5, dtype=BF16)]),
     ("l1_loss", F.l1_loss, lambda: [_cpu(4, 5, dtype=BF16), _cpu(4, 5, dtype=BF16)]),
     ("smooth_l1_loss", F.smooth_l1_loss, lambda: [_cpu(4, 5, dtype=BF16), _cpu(4, 5, dtype=BF16)]),
@@ -131,14 +221,54 @@ AGREE = [
 @pytest.mark.usefixtures("each_eager_mode")
 @pytest.mark.parametrize("name, fn, make", AGREE, ids=[c[0] for c in AGREE])
 def test_matches_cpu_autocast_where_the_lists_agree(name, fn, make):
-    assert pjrt_autocast.policy_of(name) in ("lower_precision_fp", "fp32")
+    policy = pjrt_autocast.policy_of(name)
+    assert policy in ("lower_precision_fp", "fp32")
+    to_type = BF16 if policy == "lower_precision_fp" else torch.float32
     inputs = make()
     with torch.autocast("cpu", dtype=BF16):
         expected = fn(*inputs)
     with torch.autocast(DEV, dtype=BF16):
         got = fn(*_to(inputs, DEV))
-    assert got.dtype == (BF16 if pjrt_autocast.policy_of(name) == "lower_precision_fp" else torch.float32)
-    _close(got, expected)
+    assert got.device.type == DEV
+    assert got.dtype == expected.dtype == to_type
+    if to_type == torch.float32:  # computed in float32 from the bfloat16 inputs, on both
+        exact = fn(*_cast(inputs, torch.float32))
+        for y in (expected, got):
+            torch.testing.assert_close(y.detach().cpu().double(), exact, rtol=1e-4, atol=1e-5)
+        return
+    # both against the exact result: CPU autocast's kernels are one valid rounding, not the truth
+    _check_low_precision(name, fn, inputs, to_type, _on_cpu)
+    _check_low_precision(name, fn, inputs, to_type, _on_pjrt)
+
+
+def _on_cpu(fn, inputs):
+    with torch.autocast("cpu", dtype=BF16):
+        return fn(*inputs)
+
+
+def _on_pjrt(fn, inputs):
+    with torch.autocast(DEV, dtype=BF16):
+        y = fn(*_to(inputs, DEV))
+    assert y.device.type == DEV and y.dtype == BF16
+    return y.cpu()
+
+
+_WRONG = {
+    "scaled by 1.01": lambda y: (y.float() * 1.01).to(y.dtype),
+    "shifted by one": lambda y: y.roll(1, -1),
+}
+
+
+@pytest.mark.parametrize("wrong", list(_WRONG))
+@pytest.mark.parametrize("name", ["mm", "conv_transpose2d.input", "prelu", "scaled_dot_product_attention"])
+def test_low_precision_check_rejects_wrong_results(name, wrong):
+    # the check as a whole (envelope and integer inputs) must fail a result 1% off or off by one
+    # position, also for conv_transpose2d, whose envelope is the widest (nine roundings)
+    _, fn, make = next(c for c in AGREE if c[0] == name)
+    inputs = make()
+    assert _check_low_precision(name, fn, inputs, BF16, _on_pjrt) is None
+    with pytest.raises(AssertionError, match=name):
+        _check_low_precision(name, fn, inputs, BF16, lambda f, xs: _WRONG[wrong](_on_pjrt(f, xs)))
 
 
 # Ops whose CUDA policy differs from CPU's (or that CPU leaves alone): checked against the
