@@ -2,6 +2,18 @@
 
 This module *is* `torch.pjrt` (registered with `torch._register_device_module`), so its
 public functions mirror `torch.cuda`'s: is_available, device_count, synchronize, ...
+
+PyTorch's own utilities read these names from a device module (`torch.get_device_module`,
+`getattr(torch, device_type)`), and each one here does what it does for CUDA:
+torch.utils.checkpoint (`_initialized`, `device`, `get_rng_state`, `set_rng_state`),
+torch.random (`fork_rng`: `device_count`, `get_rng_state(device)`, `set_rng_state(state,
+device)`; `manual_seed`/`seed`: `_is_in_bad_fork`, `manual_seed_all`), torch.amp
+(`get_amp_supported_dtype`), torch.utils.backend_registration and torch._utils
+(`current_device`, `device_count`, `is_available`, `get_device_properties`, `device`),
+FSDP's and DTensor's device handle and DeviceMesh (`is_initialized`, `set_device`,
+`current_device`, `device_count`, `synchronize`, `Stream`, `Event`, `stream`,
+`current_stream`, `get_rng_state`, `set_rng_state`, `memory_summary`), torch.distributed's
+memory tracker (`memory_stats`, `memory_allocated`, `memory_reserved`, `empty_cache`).
 """
 
 import os
@@ -20,6 +32,16 @@ BACKEND_NAME = "pjrt"
 _lock = threading.Lock()
 _devices = None
 _current_device = 0
+_in_bad_fork = False
+
+# torch.utils.checkpoint saves and replays a device's random state only where
+# `torch.<device>._initialized` is true; CUDA sets it once its context exists, so that saving
+# the state never creates a context by accident. The pjrt generator is a host-side
+# (seed, offset) pair (random_state.py) that exists from import on, and reading or setting it
+# starts no runtime, so it is always live: checkpointed code that draws random numbers on pjrt
+# replays them in its recomputation. (`is_initialized()` says whether the runtime's devices
+# have been set up.)
+_initialized = True
 
 
 def _requested_platform():
@@ -69,11 +91,44 @@ def is_available() -> bool:
 
 
 def is_initialized() -> bool:
-    return _devices is not None
+    """Whether this process has set up its pjrt devices (the first tensor computation,
+    `torch.pjrt.init()`, ... do); false in a child forked after that (see `_is_in_bad_fork`)."""
+    return _devices is not None and not _in_bad_fork
+
+
+def init() -> None:
+    """Set up the pjrt devices now rather than at the first use (like torch.cuda.init)."""
+    _lazy_init()
+
+
+def _lazy_init() -> None:
+    if _in_bad_fork:
+        raise RuntimeError(
+            "torchpjrt: cannot use the pjrt device in a process forked after the parent started "
+            "the JAX runtime (its threads do not survive fork); use the 'spawn' start method "
+            "(e.g. DataLoader(multiprocessing_context='spawn')) for subprocesses that need pjrt"
+        )
+    jax_devices()
 
 
 def _is_in_bad_fork() -> bool:
-    return False
+    """True in a child process forked after the parent started the JAX runtime, whose
+    threads and device clients a forked child does not inherit in working order (CUDA's
+    contexts do not survive fork either). torch.manual_seed skips the device there."""
+    return _in_bad_fork
+
+
+def _after_fork_in_child():
+    global _in_bad_fork
+    # JAX's backends_are_initialized() takes a lock another parent thread may have held at
+    # the fork (then held forever here): read the backend table without it.
+    xla_bridge = sys.modules.get("jax._src.xla_bridge")
+    if _devices is not None or getattr(xla_bridge, "_backends", None):
+        _in_bad_fork = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def device_count() -> int:
@@ -89,9 +144,9 @@ def current_device() -> int:
 
 def set_device(device) -> None:
     global _current_device
-    index = torch.device(device).index if not isinstance(device, int) else device
-    if index is None:
-        index = 0
+    index = _index(device)
+    if index < 0:
+        return  # like torch.cuda.set_device: a negative index selects nothing
     if index != 0:
         raise NotImplementedError(
             "torchpjrt: only pjrt:0 can hold tensors in one process for now; run one process "
@@ -101,20 +156,43 @@ def set_device(device) -> None:
 
 
 class device:
-    """Context manager selecting a pjrt device, like torch.cuda.device."""
+    """Context manager selecting a pjrt device, like torch.cuda.device: `None` or a negative
+    index selects nothing (torch.utils.checkpoint and torch._utils enter it per device)."""
 
     def __init__(self, device):
-        self.index = _index(device) if device is not None else None
+        self.index = _index(device) if device is not None else -1
 
     def __enter__(self):
         self.prev = _current_device
-        if self.index is not None:
+        if self.index >= 0:
             set_device(self.index)
         return self
 
     def __exit__(self, *exc):
-        set_device(self.prev)
+        if self.index >= 0:
+            set_device(self.prev)
         return False
+
+
+class device_of(device):
+    """Context manager selecting the device of a tensor (no-op for a tensor not on pjrt),
+    like torch.cuda.device_of."""
+
+    def __init__(self, obj):
+        is_pjrt = isinstance(obj, torch.Tensor) and obj.device.type == BACKEND_NAME
+        super().__init__(obj.get_device() if is_pjrt else -1)
+
+
+def _exchange_device(index: int) -> int:
+    """Make `index` current and return the previous current device (-1: change nothing)."""
+    prev = _current_device
+    if index >= 0:
+        set_device(index)
+    return prev
+
+
+def _maybe_exchange_device(index: int) -> int:
+    return _exchange_device(index)
 
 
 def platform() -> str:
@@ -134,12 +212,25 @@ def synchronize(device=None) -> None:
 
 
 def _index(device):
+    """The device index `device` names (an int, "pjrt", "pjrt:N", a torch.device); None and a
+    device without an index name the current device."""
     if device is None:
         return _current_device
     if isinstance(device, int):
         return device
     d = torch.device(device)
-    return d.index or 0
+    if d.type != BACKEND_NAME:
+        raise ValueError(f"Expected a pjrt device, but got: {d}")
+    return d.index if d.index is not None else _current_device
+
+
+def _rng_device_index(device) -> int:
+    """The index of an existing pjrt device, for the random-state functions. pjrt:0 is there
+    whenever the device is, so naming it sets up no runtime."""
+    index = _index(device)
+    if index != 0 and not 0 <= index < device_count():
+        raise RuntimeError(f"pjrt:{index} does not exist: {device_count()} pjrt device(s)")
+    return index
 
 
 def memory_stats(device=None) -> dict:
@@ -161,11 +252,47 @@ def memory_reserved(device=None) -> int:
     return int(s.get("bytes_reserved", s.get("bytes_limit", 0)))
 
 
+def memory_summary(device=None, abbreviated: bool = False) -> str:
+    """The runtime's memory statistics as a table (FSDP prints it when it runs out of memory)."""
+    stats = memory_stats(device)
+    title = f"pjrt memory summary, device {_index(device)} ({platform()})"
+    if not stats:
+        return f"{title}: the runtime reports no memory statistics on this platform\n"
+    width = max(len(k) for k in stats)
+    lines = [title] + [f"  {k:<{width}}  {v}" for k, v in sorted(stats.items())]
+    return "\n".join(lines) + "\n"
+
+
+class _DeviceProperties:
+    """What the runtime says about one device (torch.pjrt.get_device_properties)."""
+
+    def __init__(self, index):
+        dev = jax_device(index)
+        stats = dev.memory_stats() or {}
+        self.index = index
+        self.name = dev.device_kind
+        self.platform = dev.platform
+        self.type = BACKEND_NAME
+        # bytes the runtime lets us allocate; None where it reports no limit (CPU)
+        self.total_memory = stats.get("bytes_limit")
+
+    def __repr__(self):
+        return (f"_DeviceProperties(name={self.name!r}, platform={self.platform!r}, "
+                f"index={self.index}, total_memory={self.total_memory})")
+
+
+def get_device_properties(device=None) -> _DeviceProperties:
+    return _DeviceProperties(_index(device))
+
+
 def empty_cache() -> None:
-    pass
+    """Nothing to release: JAX frees a device buffer when its last array is dropped, and
+    keeps no cache of freed blocks that this could hand back."""
 
 
 def is_bf16_supported(including_emulation: bool = True) -> bool:
+    """XLA computes bfloat16 on every platform (natively on TPU and recent GPUs, by
+    widening where the hardware lacks it), so pjrt tensors always support it."""
     return True
 
 
@@ -174,6 +301,9 @@ def get_amp_supported_dtype():
 
 
 # Random state lives in torchpjrt.random_state; these are the torch.cuda-style entry points.
+# The pjrt devices of a process share one generator (only pjrt:0 holds tensors; an SPMD
+# program over several devices draws from it once per op), so `device` arguments name a
+# device to check, and every device's state is that generator's state.
 def manual_seed(seed: int) -> None:
     from . import random_state
 
@@ -200,24 +330,29 @@ def initial_seed() -> int:
     return random_state.initial_seed()
 
 
-def get_rng_state(device=None) -> torch.Tensor:
+def get_rng_state(device="pjrt") -> torch.Tensor:
+    """The generator's state as a 16-byte uint8 CPU tensor: seed and offset, two
+    little-endian uint64 (the layout of CUDA's Philox state, which DTensor reads)."""
     from . import random_state
 
+    _rng_device_index(device)
     return random_state.get_state()
 
 
-def set_rng_state(new_state, device=None) -> None:
+def set_rng_state(new_state, device="pjrt") -> None:
     from . import random_state
 
+    _rng_device_index(device)
     random_state.set_state(new_state)
 
 
 def get_rng_state_all():
-    return [get_rng_state()]
+    return [get_rng_state(i) for i in range(max(device_count(), 1))]
 
 
-def set_rng_state_all(states) -> None:
-    set_rng_state(states[0])
+def set_rng_state_all(new_states) -> None:
+    for i, state in enumerate(new_states):
+        set_rng_state(state, i)
 
 
 # ---- registration -----------------------------------------------------------------------
@@ -261,12 +396,32 @@ def register():
 # JAX runs each device's work in dispatch order on one queue, and pjrt storages swap immutable
 # arrays instead of overwriting buffers, so work issued on any "stream" is already ordered after
 # whatever produced its inputs. These classes give code written for torch.cuda's stream API
-# (FSDP2, DDP, user overlap code) that one in-order stream: waits are no-ops, synchronize
-# waits for the device, and events time with the host clock once the device has caught up.
+# (FSDP2, DDP, user overlap code) the semantics of CUDA's default stream as Python sees it:
+# one in-order stream, so waits between streams are no-ops, synchronize waits for the device,
+# query answers without waiting whether all work issued so far has finished, and events time
+# with the host clock once the device has caught up.
+
+
+def _idle() -> bool:
+    """Whether every computation issued so far has finished, without waiting for any. Fused
+    mode's pending graph is submitted first (work queued on a CUDA stream is already
+    submitted); the answer covers all work, so an event's query can say False for work
+    issued after it was recorded, never True too early."""
+    from . import fusion
+
+    fusion.flush("query")
+    for a in jax.live_arrays():
+        try:
+            if not a.is_deleted() and not a.is_ready():
+                return False
+        except Exception:  # noqa: BLE001 - deleted or donated meanwhile: nothing to wait for
+            continue
+    return True
 
 
 class Stream:
-    """The pjrt device's single in-order stream (every instance is that stream)."""
+    """The pjrt device's single in-order stream (every instance is that stream, as if each
+    torch.cuda.Stream were the default stream). `priority` is kept and has no effect."""
 
     def __init__(self, device=None, priority=0, **kwargs):
         self.device_index = _index(device)
@@ -290,7 +445,7 @@ class Stream:
         return event
 
     def query(self) -> bool:
-        return True
+        return _idle()
 
     def synchronize(self) -> None:
         synchronize()
@@ -306,7 +461,8 @@ class Stream:
 
 
 class Event:
-    """A point in the device's single queue."""
+    """A point in the device's single queue: `wait` needs nothing (the queue is in order),
+    `synchronize` waits for the device, `query` says whether the device has caught up."""
 
     def __init__(self, enable_timing=False, blocking=False, interprocess=False):
         self.enable_timing = enable_timing
@@ -321,7 +477,7 @@ class Event:
         pass
 
     def query(self) -> bool:
-        return True
+        return _idle()
 
     def synchronize(self) -> None:
         synchronize()

@@ -17,7 +17,12 @@ _offset = 0
 
 
 def manual_seed(seed: int) -> None:
+    """Seed the generator as torch.Generator.manual_seed does: seeds in [-2**63, 2**64 - 1],
+    a negative one taken modulo 2**64."""
     global _seed, _offset
+    seed = int(seed)
+    if not -0x8000_0000_0000_0000 <= seed <= 0xFFFF_FFFF_FFFF_FFFF:
+        raise ValueError("Overflow when unpacking long long")  # torch.Generator's words
     with _lock:
         _seed = seed & 0xFFFF_FFFF_FFFF_FFFF
         _offset = 0
@@ -41,15 +46,24 @@ def next_seed_offset() -> np.ndarray:
 
 
 def get_state() -> torch.Tensor:
-    return torch.tensor(np.array([_seed, _offset], dtype=np.uint64).view(np.uint8))
+    """16 bytes (a uint8 CPU tensor): seed and offset as little-endian uint64, CUDA's layout.
+
+    Random ops take their (seed, offset) when they are issued, also in fused mode where they
+    run later, so setting a saved state replays the same numbers in every eager mode."""
+    with _lock:
+        pair = np.array([_seed, _offset], dtype="<u8")
+    return torch.from_numpy(pair.view(np.uint8).copy())
 
 
 def set_state(state: torch.Tensor) -> None:
     global _seed, _offset
-    raw = state.detach().cpu().to(torch.uint8).numpy()
+    if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
+        got = state.dtype if isinstance(state, torch.Tensor) else type(state).__name__
+        raise TypeError(f"RNG state must be a torch.ByteTensor (from torch.pjrt.get_rng_state), got {got}")
+    raw = state.detach().cpu().contiguous().numpy().reshape(-1)
     if raw.size != 16:
         raise RuntimeError(f"pjrt RNG state must be 16 bytes, got {raw.size}")
-    s, o = raw.view(np.uint64)
+    s, o = raw.view("<u8")
     with _lock:
         _seed, _offset = int(s), int(o)
 
