@@ -118,9 +118,86 @@ def test_missing_platform_is_a_clear_error():
 def test_out_of_memory(mode):
     with torchpjrt.eager_mode(mode):
         with pytest.raises(torch.OutOfMemoryError, match=r"pjrt device out of memory \(.*Out of memory"):
-            torch.zeros(2**42, device=DEV).cpu()  # 16 TiB
+            # not a new allocation but an op's result (16 TiB): the runtime refuses it
+            torch.ones(1, device=DEV).expand(2**42).contiguous().cpu()
         # the same process goes on allocating normally
         torch.testing.assert_close(torch.ones(1000, device=DEV).sum().item(), 1000.0)
+
+
+# 10**13 float32 elements: 40 TB, more than any device or host holds
+_TOO_MANY = 10**13
+_NOT_ENOUGH = (r"pjrt: not enough memory: you tried to allocate {} bytes, but pjrt:0 \(\w+\) holds at most "
+               r"\d+ bytes \((the device's memory limit|the host's physical memory)\)\.")
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused", "debug"])
+@pytest.mark.parametrize("case, nbytes", [
+    pytest.param(lambda: torch.empty(_TOO_MANY, device=DEV), 4 * _TOO_MANY, id="empty"),
+    pytest.param(lambda: torch.empty(10**7, 10**6, device=DEV), 4 * _TOO_MANY, id="empty_2d"),
+    pytest.param(lambda: torch.empty_strided((10**7, 10**6), (1, 10**7), device=DEV), 4 * _TOO_MANY,
+                 id="empty_strided"),
+    pytest.param(lambda: torch.zeros(_TOO_MANY, device=DEV), 4 * _TOO_MANY, id="zeros"),
+    pytest.param(lambda: torch.ones(_TOO_MANY, dtype=torch.float64, device=DEV), 8 * _TOO_MANY, id="ones"),
+    pytest.param(lambda: torch.full((_TOO_MANY,), 2.0, device=DEV), 4 * _TOO_MANY, id="full"),
+    pytest.param(lambda: torch.rand(_TOO_MANY, device=DEV), 4 * _TOO_MANY, id="rand"),
+    pytest.param(lambda: torch.randn(_TOO_MANY, device=DEV), 4 * _TOO_MANY, id="randn"),
+    pytest.param(lambda: torch.randint(0, 9, (_TOO_MANY,), device=DEV), 8 * _TOO_MANY, id="randint"),
+    pytest.param(lambda: torch.ones(2, device=DEV).new_empty(_TOO_MANY), 4 * _TOO_MANY, id="new_empty"),
+    pytest.param(lambda: torch.ones(2, device=DEV).new_zeros(_TOO_MANY), 4 * _TOO_MANY, id="new_zeros"),
+    pytest.param(lambda: torch.ones(2, device=DEV).new_full((_TOO_MANY,), 3.0), 4 * _TOO_MANY, id="new_full"),
+    pytest.param(lambda: torch.empty_like(torch.ones(1, device=DEV).expand(_TOO_MANY)), 4 * _TOO_MANY,
+                 id="empty_like"),
+    pytest.param(lambda: torch.ones(2, device=DEV).resize_(_TOO_MANY), 4 * _TOO_MANY, id="resize_"),
+    pytest.param(lambda: torch.UntypedStorage(4 * _TOO_MANY, device=DEV), 4 * _TOO_MANY, id="untyped_storage"),
+    pytest.param(lambda: torch.arange(_TOO_MANY, device=DEV), 8 * _TOO_MANY, id="arange"),
+    pytest.param(lambda: torch.linspace(0, 1, _TOO_MANY, device=DEV), 4 * _TOO_MANY, id="linspace"),
+    pytest.param(lambda: torch.eye(10**7, 10**6, device=DEV), 4 * _TOO_MANY, id="eye"),
+])
+def test_impossible_allocation_raises_at_the_call(mode, case, nbytes):
+    """As the CPU allocator: a size the device cannot hold raises when it is asked for, not at
+    the tensor's first use (empty() allocates lazily; fused mode records factories lazily)."""
+    with torchpjrt.eager_mode(mode):
+        with pytest.raises(torch.OutOfMemoryError, match=_NOT_ENOUGH.format(nbytes)):
+            case()
+        # nothing was left behind: the next flush and the next allocations work
+        torch.testing.assert_close(torch.ones(1000, device=DEV).sum().item(), 1000.0)
+
+
+def test_impossible_allocation_against_the_runtimes_memory_limit(monkeypatch):
+    """Where the runtime reports a memory limit (GPU, TPU), it is the bound."""
+    from torchpjrt import storage
+
+    class Device:
+        platform = "gpu"
+
+        def memory_stats(self):
+            return {"bytes_limit": 1 << 20, "bytes_in_use": 0}
+
+    monkeypatch.setattr(storage, "default_device", lambda: Device())
+    monkeypatch.setattr(storage, "_capacity", 0)
+    monkeypatch.setattr(storage, "_capacity_source", None)
+    assert storage.device_capacity() == (1 << 20, "the device's memory limit")
+    with pytest.raises(torch.OutOfMemoryError, match=r"you tried to allocate 1048580 bytes, but pjrt:0 \(gpu\) "
+                                                     r"holds at most 1048576 bytes \(the device's memory limit\)"):
+        storage.check_allocation((1 << 20) + 4)
+    storage.check_allocation(1 << 20)  # exactly the limit fits
+
+
+def test_allocation_below_capacity_still_works():
+    from torchpjrt import storage
+
+    t = torch.empty(3, 4, device=DEV)
+    assert storage._capacity > 0 and t.shape == (3, 4)
+    t = torch.ones(2, device=DEV).resize_(5)
+    assert t.shape == (5,)
+    s = torch.UntypedStorage(16, device=DEV)
+    assert s.device.type == DEV and s.nbytes() == 16
+    u = torch.empty(0, device=DEV).set_(s, 0, (4,), (1,))
+    torch.testing.assert_close(u.cpu(), torch.zeros(4))
+
+
+def test_size_overflow_matches_cpu():
+    assert_same_error(lambda d: torch.empty(2**61, device=d))
 
 
 def test_out_of_memory_is_a_runtime_error_as_in_pytorch():

@@ -133,6 +133,64 @@ def test_an_output_that_disagrees_with_the_fake_is_a_clear_error():
         double_rows(torch.randn(3, 3, device=DEV))
 
 
+def _row_sum_with_a_wrong_fake():
+    # the real output drops the summed dim; the fake keeps it (a size-1 dim that broadcasts)
+    @torchpjrt.kernel(name="kernel_tests::row_sum_wrong_fake", fake=lambda x: x.new_empty(x.shape[0], 1))
+    def row_sum(x):
+        return x.sum(-1)
+
+    return row_sum
+
+
+def _double_with_a_wrong_fake_dtype():
+    @torchpjrt.kernel(name="kernel_tests::double_wrong_fake_dtype",
+                      fake=lambda x: x.new_empty(x.shape, dtype=torch.float64))
+    def double(x):
+        return x * 2
+
+    return double
+
+
+_row_sum_wrong_fake = _row_sum_with_a_wrong_fake()
+_double_wrong_fake_dtype = _double_with_a_wrong_fake_dtype()
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused", "compile"])
+def test_a_fake_shape_mismatch_raises_in_every_mode(mode):
+    # compiled, the fake's [3, 1] would broadcast against x and return a wrong [3, 3] result
+    x = torch.randn(3, 3, device=DEV)
+    call = torch.compile(lambda x: _row_sum_wrong_fake(x) + x, backend="pjrt") if mode == "compile" \
+        else (lambda x: _row_sum_wrong_fake(x) + x)
+    with torchpjrt.eager_mode("strict" if mode == "compile" else mode):
+        with pytest.raises(RuntimeError, match=r"kernel 'kernel_tests::row_sum_wrong_fake': output 0 is "
+                                               r"torch.float32\[3\] but its fake implementation says "
+                                               r"torch.float32\[3, 1\]"):
+            call(x).cpu()
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused", "compile"])
+def test_a_fake_dtype_mismatch_raises_in_every_mode(mode):
+    # compiled, the result would be cast to the fake's float64 without a word
+    x = torch.randn(3, 3, device=DEV)
+    call = torch.compile(lambda x: _double_wrong_fake_dtype(x) + 1, backend="pjrt") if mode == "compile" \
+        else (lambda x: _double_wrong_fake_dtype(x) + 1)
+    with torchpjrt.eager_mode("strict" if mode == "compile" else mode):
+        with pytest.raises(RuntimeError, match=r"kernel 'kernel_tests::double_wrong_fake_dtype': output 0 is "
+                                               r"torch.float32\[3, 3\] but its fake implementation says "
+                                               r"torch.float64\[3, 3\]"):
+            call(x).cpu()
+
+
+def test_a_matching_fake_compiles_with_no_error():
+    @torchpjrt.kernel(name="kernel_tests::row_sum_right_fake", fake=lambda x: x.new_empty(x.shape[0]))
+    def row_sum(x):
+        return x.sum(-1)
+
+    x = torch.randn(3, 4)
+    out = torch.compile(lambda x: row_sum(x) * 2, backend="pjrt")(x.to(DEV))
+    torch.testing.assert_close(out.cpu(), x.sum(-1) * 2)
+
+
 def test_unsupported_signatures_are_clear_errors():
     with pytest.raises(TypeError, match="kernel 'kernel_tests::bad'.*argument 'mode'"):
         @torchpjrt.kernel(name="kernel_tests::bad")

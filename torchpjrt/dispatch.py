@@ -278,6 +278,8 @@ class LoweredKernel:
         self.plan = [(i, self.sig.kinds[i]) for i in range(self.n_inputs)]
         self._static_positions = frozenset(i for i, name in enumerate(self.sig.names) if name in lowering.static)
         self._index_lists = frozenset(i for i, a in enumerate(args) if str(a.type) == "List[Optional[Tensor]]")
+        # a factory (arange, eye, linspace, ...): its output is a new allocation
+        self._factory = "device" in self.sig.names and self.n_inputs == self.sig.n
 
     def compute(self, vals):
         """The lowering's outputs (a tuple of jax arrays) for normalized argument values."""
@@ -387,7 +389,7 @@ class LoweredKernel:
         storage.default_device()  # picks the platform (TORCHPJRT_PLATFORM) before compiling
         if self.checked_functional is not None:
             _check_inplace_cast(self.checked_functional, vals)
-        expected = None
+        expected = meta_out = None
         try:
             meta_out = run_meta(self.op, self.sig, vals)
             expected = [dtypes.to_jax(_corrected_dtype(self.op, vals, m.dtype)) for m in _flatten_tensors(meta_out)]
@@ -399,6 +401,8 @@ class LoweredKernel:
             # data-dependent output shapes: PyTorch's meta kernel can refuse them
             if not self.lowering.has_dynamic_shape(vals):
                 raise
+        if self._factory and meta_out is not None:
+            _check_allocation(meta_out)
         fn = _compile(self.lowering, self.sig, vals[: self.n_inputs], self._static_positions, expected,
                       identity=(self.op.name(), self.op._overloadname, key))
         self.cache[key] = fn
@@ -995,6 +999,15 @@ def _check_device(device):
                 f"torchpjrt: tensors on pjrt:{d.index}: only pjrt:0 is addressable in one process for "
                 "now; use one process per device (torch.distributed)"
             )
+
+
+def _check_allocation(meta_out):
+    """A factory's outputs (meta tensors) that the device cannot hold raise at the call, as empty()
+    does, before anything runs (fused mode would record them and fail only when its graph runs).
+    Checked once per compiled signature: the signature fixes the output shapes."""
+    nbytes = sum(m.numel() * m.dtype.itemsize for m in _flatten_tensors(meta_out))
+    if nbytes > storage._capacity:
+        storage.check_allocation(nbytes)
 
 
 def k_empty(size, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):

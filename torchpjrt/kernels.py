@@ -32,6 +32,11 @@ _LIST_TYPES = {int: "int[]", float: "float[]"}
 _libraries = {}
 _anonymous = itertools.count()
 
+# op -> check(args, outputs) of a kernel with a user `fake=`, for graph lowerings (torch.compile)
+# to call while tracing: there the real outputs' shapes and dtypes are known, and eager
+# execution's call-time check does not run
+OUTPUT_CHECKS = {}
+
 
 class _Param:
     def __init__(self, name, schema_type, default):
@@ -152,6 +157,8 @@ class _Kernel:
         self.custom_op.register_fake(self._fake)
         self.op = getattr(getattr(torch.ops, namespace), opname).default
         self._register_pjrt(self.op, Lowering(self._lowered, mutates=self.mutates))
+        if self.user_fake is not None:
+            OUTPUT_CHECKS[self.op] = self.check_traced_outputs
         if not self.mutates:
             self._define_backward(namespace, opname)
 
@@ -232,8 +239,26 @@ class _Kernel:
         if key in self._checked:
             return
         real = self._outputs(self._call_jax(self.fn, vals))[: self.n_out]
+        self._compare_with_fake(vals, real, lambda v: dispatch.meta_like(v) if isinstance(v, torch.Tensor) else v)
+        self._checked.add(key)
+
+    def check_traced_outputs(self, args, outs):
+        """The fake check inside a traced graph (torch.compile): `args` are the lowering's
+        arguments (JAX arrays or tracers for tensors), `outs` the outputs it just traced."""
+        tensors = set(self.tensor_positions)
+
+        def meta(i, v):
+            if i in tensors and v is not None:
+                return torch.empty(tuple(v.shape), dtype=dtypes.to_torch(v.dtype), device="meta")
+            return v
+
+        self._compare_with_fake([meta(i, v) for i, v in enumerate(args)], list(outs)[: self.n_out], lambda v: v)
+
+    def _compare_with_fake(self, vals, real, to_meta):
+        """Raise if the real outputs (anything with .shape and a JAX .dtype) are not the
+        shapes and dtypes the user's fake implementation promises for `vals`."""
         with torch._C._DisableTorchDispatch(), torch.no_grad():
-            promised = self.user_fake(*[dispatch.meta_like(v) if isinstance(v, torch.Tensor) else v for v in vals])
+            promised = self.user_fake(*[to_meta(v) for v in vals])
         promised = list(promised) if isinstance(promised, (tuple, list)) else [promised]
         for i, (r, p) in enumerate(zip(real, promised)):
             if tuple(r.shape) != tuple(p.shape) or dtypes.to_torch(r.dtype) != p.dtype:
@@ -241,7 +266,6 @@ class _Kernel:
                     f"torchpjrt kernel '{self.name}': output {i} is {dtypes.to_torch(r.dtype)}{list(r.shape)} "
                     f"but its fake implementation says {p.dtype}{list(p.shape)}"
                 )
-        self._checked.add(key)
 
     def _lowered(self, *args):
         result = self.fn(*args)

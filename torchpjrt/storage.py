@@ -13,6 +13,7 @@ bumps its version.
 
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -355,9 +356,51 @@ def empty(shape, dtype: torch.dtype) -> torch.Tensor:
     """A new pjrt tensor whose storage is not yet materialized."""
     shape = tuple(shape)
     dtypes.to_jax(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > _capacity:
+        check_allocation(nbytes, shape)
     t = _create_empty(shape, dtype)
     t.untyped_storage()._pjrt = Storage(None, dtype, shape)
     return t
+
+
+# ---- what the device can hold ------------------------------------------------------------
+# A storage larger than the device's memory can never be allocated: like the CPU allocator,
+# refuse it when it is asked for (empty() allocates lazily, fused mode records lazily, so the
+# runtime would only fail at first use). Callers compare the bytes they need with `_capacity`
+# (one integer comparison) and call check_allocation only when it is exceeded; it is 0 until
+# the first allocation measures the device.
+
+_capacity = 0
+_capacity_source = None
+
+
+def check_allocation(nbytes: int, shape=None) -> None:
+    """Raise torch.OutOfMemoryError if `nbytes` exceed what the device can hold (for a
+    contiguous `shape` whose byte count overflows int64, PyTorch's RuntimeError)."""
+    global _capacity, _capacity_source
+    if shape is not None and nbytes >= 2**63:
+        raise RuntimeError(f"Storage size calculation overflowed with sizes={list(shape)}")
+    if _capacity_source is None:
+        _capacity, _capacity_source = device_capacity()
+    if nbytes > _capacity:
+        raise torch.OutOfMemoryError(
+            f"pjrt: not enough memory: you tried to allocate {nbytes} bytes, but pjrt:0 "
+            f"({default_device().platform}) holds at most {_capacity} bytes ({_capacity_source})."
+        )
+
+
+def device_capacity():
+    """(bytes, where the figure comes from): the runtime's memory limit for the device where it
+    reports one (GPU, TPU: memory_stats()["bytes_limit"]), else the host's physical memory."""
+    try:
+        stats = default_device().memory_stats()
+    except Exception:  # noqa: BLE001 - a plugin without memory statistics
+        stats = None
+    limit = int((stats or {}).get("bytes_limit") or 0)
+    if limit > 0:
+        return limit, "the device's memory limit"
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "the host's physical memory"
 
 
 def alias(base: torch.Tensor, size, stride, offset, dtype: torch.dtype = None) -> torch.Tensor:
@@ -379,6 +422,8 @@ def resize(t: torch.Tensor, size) -> None:
     offset = t.storage_offset() if math.prod(size) else 0
     need = offset + math.prod(size)
     if need > st.numel:
+        if need * st.dtype.itemsize > _capacity:
+            check_allocation(need * st.dtype.itemsize)
         st.replace(call(_grow_fn(st.numel, need, dtypes.to_jax(st.dtype)), st.value()))
     stride = contiguous_strides(size)
     set_geometry(t, size, stride, offset)

@@ -100,6 +100,31 @@ def _copy_(self, src, non_blocking=False):
     )
 
 
+def _new(cls, *args, device=None, **kwargs):
+    """`torch.UntypedStorage(nbytes, device="pjrt")`: PyTorch's constructor would ask the
+    PrivateUse1 allocator for the bytes, which a Python backend does not have. A pjrt storage of
+    `nbytes` untyped (zero) bytes instead, refused at the call when the device cannot hold it."""
+    if device is None or torch.device(device).type != "pjrt":
+        kw = kwargs if device is None else dict(kwargs, device=device)
+        return _original["__new__"](cls, *args, **kw)
+    index = torch.device(device).index
+    if index not in (None, 0):
+        raise NotImplementedError("torchpjrt: only pjrt:0 is addressable in one process")
+    if kwargs or len(args) > 1:
+        raise TypeError(f"torchpjrt: UntypedStorage(..., device='pjrt') takes a size or a sequence of bytes, "
+                        f"got {args!r} {kwargs!r}")
+    if args and not isinstance(args[0], int):
+        return _to_pjrt(_original["__new__"](cls, *args))  # a sequence of byte values
+    nbytes = args[0] if args else 0
+    if nbytes < 0:
+        raise RuntimeError(f"torchpjrt: a storage of {nbytes} bytes: the size must not be negative")
+    if nbytes > storage._capacity:
+        storage.check_allocation(nbytes)
+    st = storage.Storage(None, torch.uint8, (nbytes,))
+    st.raw = True  # untyped bytes: takes the dtype of the first tensor set onto it
+    return new_pjrt_storage(st)
+
+
 def _resize_(self, size):
     if not _is_pjrt(self):
         return _original["resize_"](self, size)
@@ -115,3 +140,6 @@ def install():
             _original[name] = getattr(cls, name)
             setattr(cls, name, fn)
     cls.pjrt = _to_pjrt
+    if "__new__" not in _original:
+        _original["__new__"] = cls.__new__
+        cls.__new__ = staticmethod(_new)
