@@ -34,6 +34,7 @@ _autocast.install()
 
 from . import distributed as _distributed  # noqa: E402,F401  (registers the c10d backend "pjrt")
 from .dispatch import cpu_fallback_counts  # noqa: E402,F401
+from .device_checks import set_enabled as set_device_checks  # noqa: E402,F401
 from .stablehlo_export import ExportError, export, load_exported  # noqa: E402,F401
 from .kernels import kernel  # noqa: E402,F401
 from .eager import eager_mode, eager_stats, get_eager_mode, reset_eager_stats, set_eager_mode  # noqa: E402,F401
@@ -56,6 +57,6 @@ def op_stats() -> dict:
     return dict(_dispatch.stats)
 
 
-__all__ = ["compile_stats", "op_stats", "cpu_fallback_counts", "kernel", "export", "load_exported", "ExportError", "set_eager_mode", "get_eager_mode", "eager_mode",
+__all__ = ["compile_stats", "op_stats", "cpu_fallback_counts", "set_device_checks", "kernel", "export", "load_exported", "ExportError", "set_eager_mode", "get_eager_mode", "eager_mode",
            "eager_stats", "reset_eager_stats", "save_safetensors", "load_safetensors",
            "save_model", "load_model"]

@@ -12,16 +12,20 @@ read without waiting once a few are pending, which keeps the list short in loops
 synchronize.
 
 A check reports once: after it has raised, the process goes on as usual.
+
+On by default; TORCHPJRT_DEVICE_CHECKS=0 (or `set_enabled(False)`) compiles kernels without them
+(graphs that torch.compile already built keep theirs).
 """
 
 import collections
+import os
 import threading
 
-import jax
 import numpy as np
 
-from . import fusion
+from . import eager, fusion
 
+enabled = os.environ.get("TORCHPJRT_DEVICE_CHECKS", "1").strip().lower() not in ("0", "off", "false")
 _pending = collections.deque()  # (vector, DeviceCheck, op name, user frame)
 _lock = threading.Lock()
 POLL_AFTER = 64  # pending vectors past which finished ones are read without waiting
@@ -29,12 +33,16 @@ WAIT_AFTER = 4096  # pending vectors past which the oldest are waited for
 stats = collections.Counter()  # recorded, read
 
 
+def set_enabled(on: bool) -> None:
+    """Turn device checks on or off for kernels and graphs compiled from now on."""
+    global enabled
+    enabled = bool(on)
+
+
 def record(vector, check, op_name) -> None:
     """Keep `vector` (a device array or a fused-mode Pending) to be read later."""
-    from .eager import user_frame
-
     with _lock:
-        _pending.append((vector, check, op_name, user_frame()))
+        _pending.append((vector, check, op_name, eager.user_frame()))
         stats["recorded"] += 1
         n = len(_pending)
     if n > POLL_AFTER:
@@ -83,8 +91,8 @@ def _value(vector):
 
 def _raise_first(entries, arrays) -> None:
     stats["read"] += len(entries)
-    for (vector, check, op_name, where), values in zip(entries, jax.device_get(arrays)):
-        values = np.asarray(values).tolist()
+    for (vector, check, op_name, where), array in zip(entries, arrays):
+        values = np.asarray(array).tolist()  # one small copy each (faster than jax.device_get's batch)
         if values[0]:
             error = check.error(*values[1:])
             error.args = (f"{error}\n(torchpjrt: found on the device by {op_name}, called from {where}; "

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch._ops import OpOverload
 
-from . import dtypes, eager, fusion, kernel_cache, random_state, storage
+from . import device_checks, dtypes, eager, fusion, kernel_cache, random_state, storage
 from .ops import TABLE, Lowering
 
 aten = torch.ops.aten
@@ -339,6 +339,9 @@ class LoweredKernel:
                 key.append(_freeze(v))
         if self.lowering.random:
             dyn.append(random_state.next_seed_offset())
+        checked = self.lowering.check is not None and device_checks.enabled
+        if checked:
+            key.append("checked")
         key = tuple(key)
         fn = self.cache.get(key)
         if fn is None:
@@ -347,14 +350,20 @@ class LoweredKernel:
         try:
             if self.lowering.dynamic_shape and self.lowering.has_dynamic_shape(vals):
                 # data-dependent output shapes (nonzero, unique): the inputs must be known
-                return fn(*fusion.concrete_tree(dyn))
-            if fusion._recording:
-                return fusion.record_keyed(self.fused_avals, key, getattr(fn, "traceable", fn), dyn)
-            return fn(*dyn)
+                outs = fn(*fusion.concrete_tree(dyn))
+            elif fusion._recording:
+                outs = fusion.record_keyed(self.fused_avals, key, getattr(fn, "traceable", fn), dyn)
+            else:
+                outs = fn(*dyn)
         except TypeError as e:
             raise self._dtype_error(e, vals) from e
         except jax.errors.JaxRuntimeError as e:
             raise fusion.device_error(e) from e
+        if checked:
+            # the program's last output is the check's vector: read at the next synchronization
+            device_checks.record(outs[-1], self.lowering.check, self.op)
+            outs = outs[:-1]
+        return outs
 
     def _dtype_error(self, e, vals):
         """A JAX lowering refusing a dtype (jnp.invert of a float) as CPU says it:
@@ -485,6 +494,7 @@ def _compile(lowering, sig, vals, static_positions, expected, identity=None):
         template[i] = None
     fn = lowering.fn
     random = lowering.random
+    check = lowering.check if device_checks.enabled else None
     n_dyn = len(dynamic)
 
     def run(*dyn):
@@ -503,6 +513,8 @@ def _compile(lowering, sig, vals, static_positions, expected, identity=None):
             outs = tuple(
                 o.astype(d) if hasattr(o, "dtype") and o.dtype != d else o for o, d in zip(outs, expected)
             ) + outs[len(expected):]
+        if check is not None:
+            outs += (check.find(*full),)
         return outs
 
     if lowering.has_dynamic_shape(vals):
@@ -923,6 +935,7 @@ def to_cpu(t: torch.Tensor) -> torch.Tensor:
         arr = np.asarray(arr)
     except jax.errors.JaxRuntimeError as e:  # an asynchronous failure (out of memory) shows here
         raise fusion.device_error(e) from e
+    device_checks.raise_pending()
     return dtypes.cpu_tensor_from_numpy(arr, t.dtype).reshape(t.shape)
 
 
@@ -1107,9 +1120,11 @@ def k_local_scalar_dense(self):
         raise RuntimeError(f"a Tensor with {self.numel()} elements cannot be converted to Scalar")
     stats["host_read"] += 1
     try:
-        return np.asarray(fusion.concrete(storage.read(self), "item")).reshape(()).item()
+        value = np.asarray(fusion.concrete(storage.read(self), "item")).reshape(()).item()
     except jax.errors.JaxRuntimeError as e:  # an asynchronous failure (out of memory) shows here
         raise fusion.device_error(e) from e
+    device_checks.raise_pending()
+    return value
 
 
 def k_equal(self, other):
@@ -1117,7 +1132,9 @@ def k_equal(self, other):
         raise _device_error(other if other.device.type != "pjrt" else self)
     if self.shape != other.shape:
         return False
-    return bool(fusion.concrete(fusion.call(_array_equal, storage.read(self), storage.read(other)), "item"))
+    equal = bool(fusion.concrete(fusion.call(_array_equal, storage.read(self), storage.read(other)), "item"))
+    device_checks.raise_pending()
+    return equal
 
 
 @jax.jit

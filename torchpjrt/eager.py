@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from . import fusion, storage
+from . import device_checks, fusion, storage
 
 MODES = ("strict", "debug", "fused")
 
@@ -170,6 +170,7 @@ def _after_optimizer_step(optimizer, args, kwargs):
     # the natural step boundary: graphs cut here have the same structure every step
     if fusion.recording():
         fusion.flush("optimizer_step")
+    device_checks.poll()  # checks the device has finished raise here; the others at the next read
 
 
 # ---- debug mode ------------------------------------------------------------------------------
@@ -198,9 +199,6 @@ def run_debug(op, kernel, args, kwargs):
     # an in-place or out= op overwrites its own inputs: keep what they held before it ran
     before = _overwritten_inputs(op, args, kwargs) if check_nans and level == 0 else None
     try:
-        check = _INDEX_CHECKS.get(op)
-        if check is not None:
-            check(*args, **kwargs)
         result = kernel(*args, **kwargs)
         outs = [t for t in _tensors(result) if t.device.type == "pjrt"]
         arrays = [_array_of(t) for t in outs]
@@ -210,6 +208,8 @@ def run_debug(op, kernel, args, kwargs):
                     a.block_until_ready()
                 except jax.errors.JaxRuntimeError as e:
                     raise fusion.device_error(e) from e
+        if level == 0:
+            device_checks.raise_pending()  # an out-of-range index, found on the device: raised now
     except Exception as e:
         if not getattr(e, "_torchpjrt_noted", False):
             e.add_note(f"torchpjrt (debug mode): raised by {name}, called from {user_frame()}")
@@ -347,107 +347,3 @@ def _check_finite(op, name, args, kwargs, outs, arrays, before):
         f"inputs, called from {user_frame()} (TORCHPJRT_CHECK_NANS=1)"
     )
 
-
-# ---- debug mode: index bounds ----------------------------------------------------------------
-# Compiled gathers clamp out-of-range indices and scatters drop them (XLA semantics, no error);
-# debug mode reads the indices' range from the device first and raises as PyTorch's CPU kernels.
-
-
-@jax.jit
-def _min_max(a):
-    return jnp.stack([a.min(), a.max()]).astype(jnp.int64)
-
-
-def _index_range(index):
-    """(min, max) of an integer index tensor (pjrt or CPU), or None if it has no elements."""
-    if index is None or index.numel() == 0 or index.dtype in (torch.bool, torch.uint8):
-        return None
-    if index.device.type != "pjrt":
-        return int(index.min()), int(index.max())
-    lo, hi = np.asarray(fusion.concrete(_min_max(storage.read(index))))
-    return int(lo), int(hi)
-
-
-def _out_of_range(index, size):
-    """The first bound an index breaks (indices in [-size, size) wrap), or None."""
-    r = _index_range(index)
-    if r is None:
-        return None
-    lo, hi = r
-    if hi >= size:
-        return hi
-    if lo < -size:
-        return lo
-    return None
-
-
-def _wrap(dim, ndim):
-    return dim + max(ndim, 1) if dim < 0 else dim
-
-
-def _check_index(self, indices):
-    dim = 0
-    for index in indices:
-        if index is not None and index.dtype in (torch.bool, torch.uint8):
-            dim += index.dim()  # a mask covers as many dims as it has
-            continue
-        if index is not None:
-            bad = _out_of_range(index, self.shape[dim])
-            if bad is not None:
-                raise IndexError(f"index {bad} is out of bounds for dimension {dim} with size {self.shape[dim]}")
-        dim += 1
-
-
-def _check_index_put(self, indices, values, accumulate=False, unsafe=False):
-    _check_index(self, indices)
-
-
-def _check_index_select(self, dim, index):
-    d = _wrap(dim, self.dim())
-    size = self.shape[d] if self.dim() else 1
-    r = _index_range(index)
-    if r is None or (r[0] >= 0 and r[1] < size):
-        return
-    bad = r[1] if r[1] >= size else r[0]
-    if d == 0:  # CPU's kernels differ by dim: a row copy (IndexError) or a gather (RuntimeError)
-        raise IndexError(f"index out of range in self (index_select: index {bad}, dimension size {size})")
-    raise RuntimeError(f"INDICES element is out of DATA bounds, id={bad} axis_dim={size}")
-
-
-def _check_gather(self, dim, index, *args, **kwargs):
-    if index.numel() == 0:
-        return
-    d = _wrap(dim, self.dim())
-    size = self.shape[d] if self.dim() else 1
-    lo, hi = _index_range(index)
-    if hi >= size or lo < 0:
-        raise RuntimeError(f"index {hi if hi >= size else lo} is out of bounds for dimension {d} with size {size}")
-
-
-def _check_embedding(weight, indices, *args, **kwargs):
-    r = _index_range(indices)
-    if r is not None and (r[0] < 0 or r[1] >= weight.shape[0]):
-        raise IndexError(f"index out of range in self (embedding: index {r[1] if r[1] >= weight.shape[0] else r[0]}, "
-                         f"{weight.shape[0]} rows)")
-
-
-def _check_scatter(self, dim, index, *args, **kwargs):
-    _check_gather(self, dim, index)
-
-
-_aten = torch.ops.aten
-_INDEX_CHECKS = {
-    _aten.index.Tensor: _check_index,
-    _aten.index_put.default: _check_index_put,
-    _aten.index_put_.default: _check_index_put,
-    _aten._index_put_impl_.default: _check_index_put,
-    _aten.index_select.default: _check_index_select,
-    _aten.gather.default: _check_gather,
-    _aten.scatter.src: _check_scatter,
-    _aten.scatter.value: _check_scatter,
-    _aten.scatter_.src: _check_scatter,
-    _aten.scatter_.value: _check_scatter,
-    _aten.scatter_add.default: _check_scatter,
-    _aten.scatter_add_.default: _check_scatter,
-    _aten.embedding.default: _check_embedding,
-}

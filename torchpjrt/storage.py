@@ -453,3 +453,6 @@ def synchronize_all():
             a.block_until_ready()
         except Exception:  # noqa: BLE001 - a deleted or donated buffer has nothing to wait for
             pass
+    from . import device_checks
+
+    device_checks.raise_pending()

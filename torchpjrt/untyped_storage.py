@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import torch
 
-from . import dtypes, fusion, storage
+from . import device_checks, dtypes, fusion, storage
 
 _original = {}
 
@@ -66,6 +66,7 @@ def _cpu(self):
         return _original["cpu"](self)
     st = _data(self)
     flat = np.asarray(fusion.concrete(st.value())).reshape(-1)
+    device_checks.raise_pending()
     return dtypes.cpu_tensor_from_numpy(flat, st.dtype).untyped_storage()
 
 

@@ -17,8 +17,8 @@ import jax
 import torch
 from functorch.compile import make_boxed_func
 
-from .. import fusion, kernel_cache, random_state, storage
-from ..ops import TABLE
+from .. import device_checks, fusion, kernel_cache, random_state, storage
+from ..ops import TABLE, lowering_for
 from . import buckets as buckets_mod
 from . import graph as graph_mod
 
@@ -109,7 +109,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, options=Options(), 
     comes from _donatable_inputs, computed while AOTAutograd's tracing context is live."""
     t0 = time.perf_counter()
     try:
-        fn = graph_mod.to_jax_function(gm)
+        fn = graph_mod.to_jax_function(gm, checks=device_checks.enabled)
     except graph_mod.UnsupportedGraph as e:
         stats["eager_graphs"] += 1
         eager_fallback_reasons.append(f"ops without lowering: {e}")
@@ -132,6 +132,8 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, options=Options(), 
             return make_boxed_func(_bucketed_runner(bucketed, graph_mod.uses_random(gm))), False
 
     random = graph_mod.uses_random(gm)
+    # out-of-range indices and other data checks: their vectors follow the outputs
+    checks = [(op, lowering_for(op).check) for op in graph_mod.checked_ops(gm)] if device_checks.enabled else []
     stats["graphs"] += 1
     stats["compile_seconds"] += time.perf_counter() - t0
     int_outputs = {i for i, v in enumerate(graph_mod.output_values(gm)) if isinstance(v, (int, torch.SymInt))}
@@ -159,7 +161,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, options=Options(), 
             jitted = jax.jit(body, donate_argnums=tuple(array_position[i] for i in donated))
             if kernel_cache.directory() is not None:  # the graph is hashed only when the layer is on
                 # a new process loads the graph's executable without tracing and lowering it
-                jitted = kernel_cache.kept(jitted, ("graph", fingerprint(), sizes, donated))
+                jitted = kernel_cache.kept(jitted, ("graph", fingerprint(), sizes, donated, bool(checks)))
             programs[(sizes, donated)] = jitted
             # one XLA program per input signature: compiled, or found in a cache, on its first call
             stats["xla_compiles"] += 1
@@ -177,6 +179,10 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, options=Options(), 
         if stats["xla_compiles"] != before:
             stats["compile_seconds"] += time.perf_counter() - start
         stats["calls"] += 1
+        if checks:
+            for (op, check), vector in zip(checks, outs[len(outs) - len(checks):]):
+                device_checks.record(vector, check, op)
+            outs = outs[:len(outs) - len(checks)]
         for i in donated:
             # the donated buffer is gone: the storage takes its new value now, before anyone reads
             # it (AOTAutograd's epilogue then copies the same value in again)
