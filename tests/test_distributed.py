@@ -51,6 +51,8 @@ def launch(scenario, world, timeout, extra_env=None):
             for line in out.splitlines():
                 if line.startswith("RESULT "):
                     result = json.loads(line[len("RESULT "):])
+            # wall clock when the launcher saw the process end (exact for rank 0, waited for first)
+            result["ended_at"] = time.time()
             results.append((p.returncode, out, result))
     finally:  # pytest-timeout or any error here must not leave ranks behind
         for p in procs:
@@ -95,6 +97,23 @@ def test_dead_rank_fails_the_others_clearly():
     assert "error" in result, out[-4000:]
     assert "stopped responding" in result["error"] or "failed in XLA" in result["error"], result
     assert result["seconds"] < 30, result
+    assert code == 3, f"the survivor exited with {code}, not its own sys.exit(3):\n{out[-4000:]}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_survivor_of_a_dead_peer_exits_with_its_own_code_promptly():
+    # JAX's shutdown barrier used to hold the survivor until JAX's heartbeat timeout (~26 s
+    # after the error here) and then abort it (SIGABRT), destroy_process_group or not.
+    results = launch("dead_rank", 2, timeout=50,
+                     extra_env={"TORCHPJRT_DIST_DEAD_AFTER": "3", "TEST_DESTROY_AFTER_ERROR": "1"})
+    code, out, result = results[0]
+    assert "error" in result, out[-4000:]
+    assert code == 3, f"the survivor exited with {code}, not its own sys.exit(3):\n{out[-4000:]}"
+    assert "Terminating process" not in out, out[-4000:]
+    took = result["ended_at"] - result["error_at"]
+    assert took < 20, f"the survivor took {took:.1f}s from the error to its exit:\n{out[-4000:]}"
+    assert results[1][0] == 7  # the peer really was killed
 
 
 # ---- worker side ---------------------------------------------------------------------------
@@ -345,9 +364,11 @@ def worker_dead_rank():
             t.cpu()
         result = {"no_error": True}
     except RuntimeError as e:
-        result = {"error": str(e), "seconds": time.monotonic() - start}
+        result = {"error": str(e), "seconds": time.monotonic() - start, "error_at": time.time()}
     print("RESULT " + json.dumps(result), flush=True)
-    os._exit(0)  # JAX's shutdown barrier would wait for the dead peer
+    if os.environ.get("TEST_DESTROY_AFTER_ERROR"):
+        dist.destroy_process_group()
+    sys.exit(3)  # what torchrun and the scheduler must see: this process's own exit code
 
 
 def _mlp(torch, seed):

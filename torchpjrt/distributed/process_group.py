@@ -80,6 +80,7 @@ class PjrtWork(Work):
                         f"torchpjrt.distributed: {self._description} failed in XLA (a peer rank "
                         f"probably died or left the collective): {e}"
                     )
+                    runtime.mark_peer_failure(str(self._error))
                     break
         if self._error is not None:
             raise self._error
@@ -197,8 +198,10 @@ class ProcessGroupPJRT(dist.ProcessGroup):
             store.set(slot + str(rank), f"{seq}|{signature}")
             self._wait(missing, description)
         except dist.DistError as e:
-            raise RuntimeError(f"torchpjrt.distributed: the c10d store failed during {description} "
-                               f"(rank 0, which hosts it, has probably died): {e}") from None
+            error = RuntimeError(f"torchpjrt.distributed: the c10d store failed during {description} "
+                                 f"(rank 0, which hosts it, has probably died): {e}")
+            runtime.mark_peer_failure(str(error))
+            raise error from None
         if len(set(calls.values())) > 1:
             listing = "; ".join(f"rank {r}: {calls[r]}" for r in sorted(calls))
             raise RuntimeError(
@@ -210,7 +213,15 @@ class ProcessGroupPJRT(dist.ProcessGroup):
     def _wait(self, missing, description):
         """Poll `missing()` (the group ranks not arrived yet) until it is empty, telling a dead
         peer (no heartbeat) from a late one (past the group timeout) meanwhile. Polls with a
-        growing sleep rather than store.wait with a timeout, which logs a warning each time."""
+        growing sleep rather than store.wait with a timeout, which logs a warning each time.
+        Either failure is recorded for this process's exit (runtime.mark_peer_failure)."""
+        try:
+            self._wait_for(missing, description)
+        except RuntimeError as e:
+            runtime.mark_peer_failure(str(e))
+            raise
+
+    def _wait_for(self, missing, description):
         start = time.monotonic()
         deadline = start + self._timeout.total_seconds()
         pause, next_liveness_check = 0.0, start + runtime.HEARTBEAT_PERIOD_S

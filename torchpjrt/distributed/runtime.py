@@ -9,11 +9,22 @@ MASTER_ADDR and posts it, the others read it.
 Liveness: each rank bumps a counter in the store every `HEARTBEAT_PERIOD_S`; a rank whose
 counter stops moving for `dead_after_s()` is reported dead by whoever waits on it (see
 process_group.py), well before JAX's own heartbeat timeout would abort the process.
+
+Exit: JAX's client, left to itself, leaves through the coordination service's shutdown
+barrier, which waits for every process; with one dead, it fails only at JAX's heartbeat
+timeout, and a failed barrier aborts the process (SIGABRT), so a surviving rank never exits
+with its own code. The client is therefore built without that barrier, and `_leave` (an
+atexit hook that runs before JAX's) does its work: it waits for every rank to reach exit
+(through JAX's key-value store; a peer whose store heartbeat stopped is not waited for), then
+disconnects this process locally. A process that has already seen a peer fail
+(`mark_peer_failure`) does not wait at all, so it exits at once with its own exit code.
 """
 
 import atexit
+import contextlib
 import os
 import socket
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -23,12 +34,24 @@ from jax._src import xla_bridge
 
 _COORDINATOR_KEY = "torchpjrt/jax_coordinator"
 _HEARTBEAT_KEY = "torchpjrt/alive/{}"
+_EXIT_DIR = "torchpjrt/exit"  # in JAX's key-value store: one key per rank that reached exit
 HEARTBEAT_PERIOD_S = 1.0
+EXIT_BARRIER_TIMEOUT_S = 300.0  # JAX's own shutdown barrier timeout
 
 _lock = threading.Lock()
 _state = None  # (rank, world_size) once initialized
 _stop_heartbeat = threading.Event()
 atexit.register(_stop_heartbeat.set)  # rank 0's store may already be gone at exit
+_peer_failure = None  # why this process knows the group is broken (a peer died, left or hangs)
+_exit_store = None  # a store connection of our own for the liveness check at exit
+
+
+def mark_peer_failure(reason: str) -> None:
+    """Record that a peer died, left or stopped answering: at exit this process no longer waits
+    for the others (see `_leave`). The first reason is kept."""
+    global _peer_failure
+    if _peer_failure is None:
+        _peer_failure = reason
 
 
 def dead_after_s() -> float:
@@ -64,7 +87,7 @@ def _free_port() -> int:
 
 def initialize(store, rank: int, world_size: int, timeout: timedelta) -> None:
     """Start JAX's distributed runtime for this process (idempotent; default group only)."""
-    global _state
+    global _state, _exit_store
     with _lock:
         if _state is not None:
             if _state != (rank, world_size):
@@ -95,18 +118,24 @@ def initialize(store, rank: int, world_size: int, timeout: timedelta) -> None:
         if local_rank is not None and platform in ("gpu", "cuda", "rocm"):
             kwargs["local_device_ids"] = [int(local_rank)]  # one accelerator per process
         seconds = max(int(timeout.total_seconds()), 1)
-        jax.distributed.initialize(
-            address,
-            num_processes=world_size,
-            process_id=rank,
-            initialization_timeout=min(seconds, 300),
-            # JAX aborts the process when a peer stops beating; keep that a late backstop
-            # behind our own, clearer, store-based detection.
-            heartbeat_timeout_seconds=max(int(3 * dead_after_s()), 30),
-            **kwargs,
-        )
+        with _client_without_shutdown_barrier() as built:
+            jax.distributed.initialize(
+                address,
+                num_processes=world_size,
+                process_id=rank,
+                initialization_timeout=min(seconds, 300),
+                # JAX aborts the process when a peer stops beating; keep that a late backstop
+                # behind our own, clearer, store-based detection.
+                heartbeat_timeout_seconds=max(int(3 * dead_after_s()), 30),
+                **kwargs,
+            )
         _state = (rank, world_size)
         _start_heartbeat(store, rank)
+        if built:  # else this JAX builds its client its own way: its shutdown barrier stays
+            root = _root_store(store)
+            _exit_store = root.clone() if hasattr(root, "clone") else root
+            # registered after JAX's own exit hook (at `import jax`), so it runs before it
+            atexit.register(_leave, rank, world_size)
 
 
 def _start_heartbeat(store, rank: int) -> None:
@@ -165,3 +194,114 @@ def process_device(global_rank: int):
         if d.process_index == global_rank:
             return d
     raise RuntimeError(f"torchpjrt.distributed: JAX knows no {local.platform} device of process {global_rank}")
+
+
+# ---- exit ---------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _client_without_shutdown_barrier():
+    """Let `jax.distributed.initialize` build its client with `shutdown_on_destruction=False`:
+    the client's shutdown then disconnects locally instead of entering the coordination
+    service's shutdown barrier (which, with a dead peer, ends in an abort; see `_leave`).
+    Yields a list that is non-empty once such a client was built."""
+    from jax._src import distributed as jax_distributed
+
+    built = []
+    real = getattr(jax_distributed, "_jax", None)
+    if real is None or not hasattr(real, "get_distributed_runtime_client"):
+        yield built
+        return
+
+    class _Lib:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def get_distributed_runtime_client(*args, **kw):
+            try:
+                client = real.get_distributed_runtime_client(*args, shutdown_on_destruction=False, **kw)
+            except TypeError:  # a jaxlib without the option: JAX's default client
+                return real.get_distributed_runtime_client(*args, **kw)
+            built.append(client)
+            return client
+
+    jax_distributed._jax = _Lib()
+    try:
+        yield built
+    finally:
+        jax_distributed._jax = real
+
+
+def _leave(rank: int, world_size: int) -> None:
+    """atexit: wait for the other ranks to reach exit too (unless a peer already failed or
+    dies meanwhile), then disconnect from JAX's coordination service, locally.
+
+    The wait keeps what JAX's shutdown barrier gave: no process leaves while another still
+    runs (rank 0 hosts the coordination service; its end would abort the others). Only the
+    local disconnect follows, so nothing here can abort the process or change its exit code."""
+    from jax._src import distributed as jax_distributed
+
+    state = jax_distributed.global_state
+    client = state.client
+    if client is None:  # jax.distributed.shutdown() was called already
+        return
+    try:
+        if _peer_failure is None and world_size > 1:
+            _exit_barrier(client, rank, world_size)
+    except Exception as e:  # noqa: BLE001 - never block or fail an exit
+        print(f"torchpjrt.distributed: rank {rank} leaves without waiting for the others: {e}",
+              file=sys.stderr, flush=True)
+    finally:
+        _stop_heartbeat.set()
+        try:
+            if state.preemption_sync_manager is not None:
+                state.preemption_sync_manager.shutdown()
+                state.preemption_sync_manager = None
+            client.shutdown()  # local: no shutdown barrier (see _client_without_shutdown_barrier)
+        except Exception:  # noqa: BLE001 - the agent was in error (a peer failed): nothing to undo
+            pass
+        state.client = None  # JAX's own exit hook then only stops the service (rank 0)
+
+
+def _exit_barrier(client, rank: int, world_size: int) -> None:
+    """Wait until every rank has reached exit, a missing one is dead (no store heartbeat for
+    `dead_after_s()`), or EXIT_BARRIER_TIMEOUT_S passes; rank 0, whose process hosts JAX's
+    coordination service, then also waits for the others to have passed, so that none is
+    still talking to the service when it stops. Uses JAX's key-value store, which lives as
+    long as rank 0's process (the c10d store may be gone after destroy_process_group)."""
+    others = [r for r in range(world_size) if r != rank]
+    monitor = LivenessMonitor(_exit_store, others) if _exit_store is not None else None
+    deadline = time.monotonic() + EXIT_BARRIER_TIMEOUT_S
+    client.key_value_set(f"{_EXIT_DIR}/arrived/{rank}", "1")
+    monitor = _wait_for_keys(client, f"{_EXIT_DIR}/arrived", others, monitor, deadline)
+    if rank == 0:
+        _wait_for_keys(client, f"{_EXIT_DIR}/passed", others, monitor, deadline)
+    else:
+        client.key_value_set(f"{_EXIT_DIR}/passed/{rank}", "1")  # only the local disconnect follows
+
+
+def _wait_for_keys(client, directory: str, ranks, monitor, deadline: float):
+    """Poll JAX's key-value `directory` until it holds a key per rank in `ranks`; raises if
+    one of the missing ranks is dead or the deadline passes. Returns the monitor (None once
+    the c10d store is gone, when only arrival counts)."""
+    pause, next_liveness_check = 0.0, time.monotonic() + HEARTBEAT_PERIOD_S
+    while True:
+        present = {int(key.rsplit("/", 1)[1]) for key, _ in client.key_value_dir_get(directory)}
+        missing = [r for r in ranks if r not in present]
+        if not missing:
+            return monitor
+        now = time.monotonic()
+        if now >= next_liveness_check:
+            next_liveness_check = now + HEARTBEAT_PERIOD_S
+            if monitor is not None:
+                try:
+                    dead = monitor.dead_ranks(missing)
+                except RuntimeError:  # the c10d store is gone: judge by arrival only
+                    monitor, dead = None, []
+                if dead:
+                    raise RuntimeError(f"rank(s) {dead} stopped responding before reaching exit")
+            if now > deadline:
+                raise RuntimeError(f"rank(s) {missing} did not reach exit within {EXIT_BARRIER_TIMEOUT_S:.0f}s")
+        time.sleep(pause)
+        pause = min(max(pause * 2, 1e-3), 0.05)
