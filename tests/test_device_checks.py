@@ -160,3 +160,32 @@ def test_checks_do_not_pile_up_without_synchronization():
     assert device_checks.pending() <= device_checks.POLL_AFTER + 1 or x.sum().item()
     x.sum().item()
     assert device_checks.pending() == 0
+
+
+NOT_PD = torch.tensor([[1.0, 2.0], [2.0, 1.0]])
+SINGULAR = torch.tensor([[1.0, 2.0], [2.0, 4.0]])
+GOOD = torch.tensor([[2.0, 1.0], [1.0, 2.0]])
+LINALG = {  # fn, a bad input
+    "cholesky": (lambda a: torch.linalg.cholesky(a), NOT_PD),
+    "inv_batched": (lambda a: torch.linalg.inv(torch.stack([torch.eye(2, device=a.device), a])), SINGULAR),
+    "solve": (lambda a: torch.linalg.solve(a, a[:, :1] + 1), SINGULAR),
+}
+
+
+@pytest.mark.parametrize("name", LINALG)
+def test_compiled_linalg_errors_are_device_checks(name):
+    """linalg's "not positive-definite"/"singular" check is an effect in a compiled graph: it runs
+    on the device (the graph compiles whole instead of running eagerly) and raises PyTorch's
+    LinAlgError with its message."""
+    fn, bad = LINALG[name]
+    with pytest.raises(torch.linalg.LinAlgError) as expected:
+        fn(bad)
+    torch._dynamo.reset()
+    before = torchpjrt.compile_stats()["eager_graphs"]
+    compiled = torch.compile(fn, backend="pjrt")
+    with pytest.raises(torch.linalg.LinAlgError) as info:
+        compiled(bad.to(DEV)).cpu()
+    assert str(expected.value) in str(info.value)
+    assert "found on the device by aten._linalg_check_errors" in str(info.value)
+    assert torchpjrt.compile_stats()["eager_graphs"] == before
+    torch.testing.assert_close(compiled(GOOD.to(DEV)).cpu(), fn(GOOD))

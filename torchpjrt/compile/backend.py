@@ -18,7 +18,7 @@ import torch
 from functorch.compile import make_boxed_func
 
 from .. import device_checks, fusion, kernel_cache, random_state, storage
-from ..ops import TABLE, lowering_for
+from ..ops import TABLE
 from . import buckets as buckets_mod
 from . import graph as graph_mod
 
@@ -114,7 +114,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, options=Options(), 
         stats["eager_graphs"] += 1
         eager_fallback_reasons.append(f"ops without lowering: {e}")
         warnings.warn(f"torchpjrt: running a compiled graph eagerly on pjrt (ops without lowering: {e})")
-        return _eager(gm), True
+        return _eager(gm), False  # not stored: a restored graph would be called with other inputs
 
     # dynamic=True graphs take sizes as SymInt inputs and may return sizes (saved for the
     # backward): sizes are compiled in (one XLA program per size, or per bucket) and returned as ints
@@ -133,7 +133,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, options=Options(), 
 
     random = graph_mod.uses_random(gm)
     # out-of-range indices and other data checks: their vectors follow the outputs
-    checks = [(op, lowering_for(op).check) for op in graph_mod.checked_ops(gm)] if device_checks.enabled else []
+    checks = graph_mod.checked_ops(gm) if device_checks.enabled else []
     stats["graphs"] += 1
     stats["compile_seconds"] += time.perf_counter() - t0
     int_outputs = {i for i, v in enumerate(graph_mod.output_values(gm)) if isinstance(v, (int, torch.SymInt))}
@@ -191,7 +191,9 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, options=Options(), 
                 else storage.wrap(o) if hasattr(o, "shape") and hasattr(o, "dtype") else o
                 for i, o in enumerate(outs)]
 
-    return make_boxed_func(run), True
+    # AOTAutograd restores a graph with effect tokens (linalg's error checks) with other inputs
+    # than it compiled it for: such graphs are compiled again in each process
+    return make_boxed_func(run), not any(graph_mod.is_linalg_check(n) for n in gm.graph.nodes)
 
 
 def _bucketed_runner(bucketed, random):

@@ -9,13 +9,14 @@ import hashlib
 import operator
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 
 from .. import dtypes, fusion, random_state, storage
 from ..dispatch import SCALAR, TENSOR, TENSOR_LIST, signature
 from ..kernels import OUTPUT_CHECKS
-from ..ops import TABLE, lowering_for
+from ..ops import TABLE, DeviceCheck, check_vector, lowering_for
 
 
 class UnsupportedGraph(Exception):
@@ -33,10 +34,45 @@ def is_size_node(node) -> bool:
         node.target in SIZE_FUNCTIONS or node.target is torch.ops.aten.sym_size.int)
 
 
+def is_linalg_check(node) -> bool:
+    """`with_effects(token, aten._linalg_check_errors, info, api_name, is_matrix=...)`: how a
+    graph keeps linalg's "the matrix is singular" check (an effect, so it is not dead code)."""
+    return (node.op == "call_function" and node.target is torch.ops.higher_order.with_effects
+            and node.args[1] is torch.ops.aten._linalg_check_errors.default)
+
+
+def _linalg_check(node) -> DeviceCheck:
+    """A device check of a LAPACK-style `info` result: its first nonzero entry, turned into the
+    CPU's exception (torch.linalg.LinAlgError with PyTorch's message) on the host."""
+    dtype = node.args[2].meta["val"].dtype
+    api_name = node.args[3]
+    is_matrix = node.kwargs.get("is_matrix", node.args[4] if len(node.args) > 4 else True)
+
+    def find(info):
+        # the shape travels with the vector: in a dynamic-shape graph it is known only here
+        flat = info.reshape(-1)
+        if flat.size == 0:
+            return check_vector(False, 0, 0, *info.shape)
+        bad = flat != 0
+        position = jnp.argmax(bad)
+        return check_vector(bad.any(), position, flat[position], *info.shape)
+
+    def error(position, value, *shape):
+        cpu_info = torch.zeros(shape, dtype=dtype)
+        cpu_info.view(-1)[position] = value
+        try:
+            torch.ops.aten._linalg_check_errors(cpu_info, api_name, is_matrix=is_matrix)
+        except Exception as e:  # noqa: BLE001 - PyTorch's own exception is the one to raise
+            return e
+        return RuntimeError(f"{api_name}: the computation failed (info = {value})")
+
+    return DeviceCheck(find, error)
+
+
 def unsupported_ops(gm: torch.fx.GraphModule):
     missing = set()
     for node in gm.graph.nodes:
-        if is_size_node(node):
+        if is_size_node(node) or is_linalg_check(node):
             continue
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
             lowering = lowering_for(node.target)
@@ -121,11 +157,17 @@ def output_values(gm: torch.fx.GraphModule):
 
 
 def checked_ops(gm: torch.fx.GraphModule):
-    """The ops of the graph that carry a device check, in the order their vectors are returned
+    """(op, DeviceCheck) of the graph's checked nodes, in the order their vectors are returned
     by to_jax_function(gm, checks=True)."""
-    return [node.target for node in gm.graph.nodes if node.op == "call_function"
-            and isinstance(node.target, torch._ops.OpOverload) and not is_size_node(node)
-            and lowering_for(node.target) is not None and lowering_for(node.target).check is not None]
+    found = []
+    for node in gm.graph.nodes:
+        if is_linalg_check(node):
+            found.append((node.args[1], _linalg_check(node)))
+        elif (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+              and not is_size_node(node) and lowering_for(node.target) is not None
+              and lowering_for(node.target).check is not None):
+            found.append((node.target, lowering_for(node.target).check))
+    return found
 
 
 def to_jax_function(gm: torch.fx.GraphModule, hooks=None, checks=False):
@@ -138,6 +180,7 @@ def to_jax_function(gm: torch.fx.GraphModule, hooks=None, checks=False):
     if missing:
         raise UnsupportedGraph(", ".join(missing))
     nodes = list(gm.graph.nodes)
+    linalg_checks = {node.name: _linalg_check(node) for node in nodes if is_linalg_check(node)}
     constants = {}
     for node in nodes:
         if node.op == "get_attr":
@@ -170,6 +213,11 @@ def to_jax_function(gm: torch.fx.GraphModule, hooks=None, checks=False):
                     continue
                 if is_size_node(node):
                     env[node.name] = _size_value(node, value)
+                    continue
+                if node.name in linalg_checks:
+                    env[node.name] = (value(node.args[0]),)  # the effect token passes through
+                    if checks:
+                        vectors.append(linalg_checks[node.name].find(value(node.args[2])))
                     continue
                 op = node.target
                 lowering = TABLE[op]

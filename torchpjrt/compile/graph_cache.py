@@ -56,7 +56,8 @@ class CompiledGraph(OutputCode):
     def prepare_for_serialization(self) -> None:
         # called on a shallow copy: the live graph keeps its runner
         if not self.storable:
-            raise BypassAOTAutogradCache("torchpjrt: a bucketed graph is compiled again in each process")
+            raise BypassAOTAutogradCache("torchpjrt: a bucketed graph or one run eagerly is compiled again in "
+                                         "each process")
         with unset_fake_temporarily():
             self.payload = _dump_graph(self.graph_module)
         self.graph_module = self.runner = None
