@@ -140,3 +140,28 @@ def test_tag_directories_unused_for_two_weeks_are_removed(tmp_path):
     assert sorted(os.listdir(root)) == ["current", "recent"]
     assert (root / "current" / "ab" / "entry").exists()
     assert time.time() - os.stat(root / "current").st_mtime < 60  # marked as used
+
+
+EDITED_KERNEL = r"""
+import sys, torch, torchpjrt
+SCALE = float(sys.argv[1])
+
+@torchpjrt.kernel
+def scale(x):
+    return x * SCALE
+
+x = torch.ones(3, device="pjrt")
+print(scale(x).tolist()[0], torch.compile(lambda t: scale(t) + 1, backend="pjrt")(x).tolist()[0])
+"""
+
+
+@pytest.mark.slow  # fresh processes
+def test_an_edited_custom_kernel_is_not_loaded_stale(tmp_path):
+    """A custom kernel's body is user code the cache's environment tag does not hash: a process
+    whose kernel computes something else must not load the earlier process's executable."""
+    env = {**os.environ, "TORCHPJRT_KERNEL_CACHE": "on", "TORCHPJRT_CACHE_DIR": str(tmp_path / "cache")}
+    for scale in ("2", "3", "2"):
+        r = subprocess.run([sys.executable, "-c", EDITED_KERNEL, scale], capture_output=True, text=True,
+                           timeout=300, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.stdout.split() == [f"{float(scale)}", f"{float(scale) + 1}"]

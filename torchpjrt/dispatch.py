@@ -413,7 +413,7 @@ class LoweredKernel:
         if self._factory and meta_out is not None:
             _check_allocation(meta_out)
         fn = _compile(self.lowering, self.sig, vals[: self.n_inputs], self._static_positions, expected,
-                      identity=(self.op.name(), self.op._overloadname, key))
+                      identity=None if self.lowering.user_code else (self.op.name(), self.op._overloadname, key))
         self.cache[key] = fn
         stats["compiled"] += 1
         return fn

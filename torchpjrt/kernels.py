@@ -156,7 +156,7 @@ class _Kernel:
                                                  schema=schema)
         self.custom_op.register_fake(self._fake)
         self.op = getattr(getattr(torch.ops, namespace), opname).default
-        self._register_pjrt(self.op, Lowering(self._lowered, mutates=self.mutates))
+        self._register_pjrt(self.op, Lowering(self._lowered, mutates=self.mutates, user_code=True))
         if self.user_fake is not None:
             OUTPUT_CHECKS[self.op] = self.check_traced_outputs
         if not self.mutates:
@@ -283,7 +283,7 @@ class _Kernel:
         self.backward_op_def = torch.library.custom_op(bwd_name, self._off_device, mutates_args=(), schema=schema)
         self.backward_op_def.register_fake(lambda inputs, outputs, grads, *rest: [t.new_empty(t.shape) for t in inputs])
         self.backward_op = getattr(getattr(torch.ops, namespace), f"{opname}_backward").default
-        self._register_pjrt(self.backward_op, Lowering(self._lowered_backward))
+        self._register_pjrt(self.backward_op, Lowering(self._lowered_backward, user_code=True))
         self.custom_op.register_autograd(self._autograd_backward, setup_context=self._setup_context)
 
     def _split(self, args):

@@ -132,6 +132,8 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, options=Options(), 
             return make_boxed_func(_bucketed_runner(bucketed, graph_mod.uses_random(gm))), False
 
     random = graph_mod.uses_random(gm)
+    # a custom kernel's body is not part of the graph's fingerprint: such graphs are not kept
+    user_code = graph_mod.uses_user_code(gm)
     # out-of-range indices and other data checks: their vectors follow the outputs
     checks = graph_mod.checked_ops(gm) if device_checks.enabled else []
     stats["graphs"] += 1
@@ -159,7 +161,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, options=Options(), 
                     return fn(seed_offset, *full)
 
             jitted = jax.jit(body, donate_argnums=tuple(array_position[i] for i in donated))
-            if kernel_cache.directory() is not None:  # the graph is hashed only when the layer is on
+            if kernel_cache.directory() is not None and not user_code:  # hashed only when the layer is on
                 # a new process loads the graph's executable without tracing and lowering it
                 jitted = kernel_cache.kept(jitted, ("graph", fingerprint(), sizes, donated, bool(checks)))
             programs[(sizes, donated)] = jitted

@@ -123,6 +123,15 @@ def uses_random(gm) -> bool:
     )
 
 
+def uses_user_code(gm) -> bool:
+    """Whether the graph calls a custom kernel (torchpjrt.kernel), whose program is user code."""
+    return any(
+        n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+        and lowering_for(n.target) is not None and lowering_for(n.target).user_code
+        for n in gm.graph.nodes
+    )
+
+
 def fingerprint(gm: torch.fx.GraphModule) -> str:
     """What fixes the program to_jax_function(gm) builds, as a hash: the graph's code, each
     node's example value (geometry and dtype: outputs are cast to it) and the contents of the

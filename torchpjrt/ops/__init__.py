@@ -78,6 +78,9 @@ class Lowering:
     view: bool = False
     graph_only: bool = False
     check: DeviceCheck | None = None
+    # the program comes from user code (torchpjrt.kernel), which the kernel cache's environment
+    # tag does not hash: its executables are not kept on disk under the op's name
+    user_code: bool = False
 
     def has_dynamic_shape(self, args) -> bool:
         """Whether this call's output shape depends on values; `args` are the aten arguments
