@@ -149,6 +149,8 @@ _NOT_ENOUGH = (r"pjrt: not enough memory: you tried to allocate {} bytes, but pj
                  id="empty_like"),
     pytest.param(lambda: torch.ones(2, device=DEV).resize_(_TOO_MANY), 4 * _TOO_MANY, id="resize_"),
     pytest.param(lambda: torch.UntypedStorage(4 * _TOO_MANY, device=DEV), 4 * _TOO_MANY, id="untyped_storage"),
+    pytest.param(lambda: torch.ones(2, device=DEV).untyped_storage().resize_(4 * _TOO_MANY), 4 * _TOO_MANY,
+                 id="untyped_storage_resize_"),  # FSDP2 re-allocates parameters this way
     pytest.param(lambda: torch.arange(_TOO_MANY, device=DEV), 8 * _TOO_MANY, id="arange"),
     pytest.param(lambda: torch.linspace(0, 1, _TOO_MANY, device=DEV), 4 * _TOO_MANY, id="linspace"),
     pytest.param(lambda: torch.eye(10**7, 10**6, device=DEV), 4 * _TOO_MANY, id="eye"),

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from .. import dtypes, fusion
+from .. import dtypes, fusion, storage
 from ..storage import _zeros
 
 _previous = None
@@ -38,6 +38,8 @@ def _resize_(self, nbytes):
     if nbytes % itemsize:
         raise RuntimeError(f"torchpjrt: cannot resize a {st.dtype} storage to {nbytes} bytes (not a whole number of elements)")
     numel = nbytes // itemsize
+    if nbytes > storage._capacity:
+        storage.check_allocation(nbytes)  # a size the device cannot hold: OutOfMemoryError now
     if numel == st.numel and len(st.shape) == 1:
         return self
     jdtype = dtypes.to_jax(st.dtype)
