@@ -201,6 +201,7 @@ def check_error_inputs(opinfo):
             total += 1
             try:
                 opinfo.op(_to(sample.input, "pjrt"), *_to(sample.args, "pjrt"), **_to(sample.kwargs, "pjrt"))
+                torch.pjrt.synchronize()  # errors found on the device are raised here
                 outcome = "no error"
             except expected_type:
                 same += 1
