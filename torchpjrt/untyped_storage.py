@@ -3,8 +3,12 @@
 PyTorch's own storage methods assume device memory reachable through an allocator and a data
 pointer. A pjrt storage's bytes live in a `jax.Array` instead (see storage.py), so the
 methods that `copy.deepcopy`, `torch.save` and `torch.load(map_location="pjrt")` use are
-routed here for pjrt storages; every other storage keeps PyTorch's behaviour.
+routed here for pjrt storages; every other storage keeps PyTorch's behaviour. torch.load's
+unpickler is given one addition, so that tensors sharing a pjrt storage when saved share one when
+loaded (see `_load`).
 """
+
+import functools
 
 import jax
 import numpy as np
@@ -49,7 +53,9 @@ def new_pjrt_storage(st: storage.Storage) -> torch.UntypedStorage:
 
 
 def _data_ptr(self):
-    # device bytes have no address here; 0 is what PyTorch's serializer expects then
+    # device bytes have no host address here. PyTorch reads 0 as "not allocated" (torch.save then
+    # skips its same-memory-different-dtype check); torch.load's storage sharing does not depend
+    # on it (_load below)
     return 0 if _is_pjrt(self) else _original["data_ptr"](self)
 
 
@@ -132,6 +138,68 @@ def _resize_(self, size):
     raise NotImplementedError("torchpjrt: resizing a pjrt UntypedStorage directly is not supported; use Tensor.resize_")
 
 
+# ---- torch.load: one storage per saved storage -----------------------------------------------
+# torch.save writes each storage once, under a key, and every tensor (view, tied weight) or storage
+# object on it refers to that key. torch.load reads the key's bytes at its first reference and gives
+# the later references the same storage, but only when that storage's data_ptr() is nonzero, its
+# test for "allocated" (meta and fake storages are rebuilt per reference). A pjrt storage's bytes
+# are a jax.Array, so its data_ptr() cannot be what decides this: without the unpickler below, each
+# reference to a pjrt storage was read into a storage of its own, and views and tied weights came
+# back unshared. The unpickler keeps every pjrt storage by its key, whatever data_ptr() reports.
+
+
+def _one_storage_per_key(persistent_load):
+    """torch.load's `persistent_load`, giving every reference to one saved key one pjrt storage."""
+    loaded = {}
+
+    def load(saved_id):
+        if not (isinstance(saved_id, tuple) and len(saved_id) == 5):
+            return persistent_load(saved_id)
+        storage_type, key = saved_id[1], saved_id[2]  # ("storage", type, key, location, numel)
+        typed = loaded.get(key)
+        if typed is None:
+            typed = persistent_load(saved_id)
+            if isinstance(typed, torch.storage.TypedStorage) and _is_pjrt(typed._untyped_storage):
+                loaded[key] = typed
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        if isinstance(typed, torch.storage.TypedStorage) and typed.dtype != dtype:
+            # one storage saved through tensors of two dtypes (CPU refuses to save that, but its
+            # check compares data pointers): each reference is typed as it was saved, not as the first
+            typed = torch.storage.TypedStorage(wrap_storage=typed._untyped_storage, dtype=dtype, _internal=True)
+        return typed
+
+    return load
+
+
+@functools.lru_cache(maxsize=None)
+def _unpickler_keeping_storages(base):
+    class Unpickler(base):
+        def __setattr__(self, name, value):
+            # torch.serialization._load sets its persistent_load on the unpickler it made
+            if name == "persistent_load":
+                value = _one_storage_per_key(value)
+            super().__setattr__(name, value)
+
+    Unpickler.__name__ = Unpickler.__qualname__ = base.__name__
+    return Unpickler
+
+
+class _PickleModule:
+    """The `pickle_module` torch.serialization._load is given, with its Unpickler keeping storages."""
+
+    def __init__(self, module):
+        self._module = module
+        self.Unpickler = _unpickler_keeping_storages(module.Unpickler)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def _load(zip_file, map_location, pickle_module, *args, **kwargs):
+    """torch.serialization._load (torch.load of the zip format, weights_only or not)."""
+    return _original["_load"](zip_file, map_location, _PickleModule(pickle_module), *args, **kwargs)
+
+
 def install():
     cls = torch.UntypedStorage
     for name, fn in (("nbytes", _nbytes), ("size", _size), ("__len__", _len), ("clone", _clone),
@@ -141,6 +209,9 @@ def install():
             _original[name] = getattr(cls, name)
             setattr(cls, name, fn)
     cls.pjrt = _to_pjrt
+    if "_load" not in _original:
+        _original["_load"] = torch.serialization._load
+        torch.serialization._load = _load
     if "__new__" not in _original:
         _original["__new__"] = cls.__new__
         cls.__new__ = staticmethod(_new)
