@@ -8,6 +8,10 @@ from . import device as _device
 
 _device.register()
 
+from . import accelerator as _accelerator  # noqa: E402
+
+_accelerator.install()  # torch.accelerator's memory/synchronize and pin_memory() on pjrt
+
 from . import compile_cache as _compile_cache  # noqa: E402
 
 _compile_cache.configure()

@@ -84,6 +84,12 @@ def jax_device(index=None):
 
 
 def is_available() -> bool:
+    """Whether a pjrt device exists. Without TORCHPJRT_PLATFORM or JAX_PLATFORMS the answer
+    is known without starting JAX's runtime (JAX's default backend always has a device, the CPU
+    at least), so asking, as `torch.accelerator.is_available()` does in DataLoader and HF
+    code, leaves a process that forks workers afterwards without runtime threads to lose."""
+    if _devices is None and _requested_platform() is None and not jax.config.jax_platforms:
+        return True
     try:
         return len(jax_devices()) > 0
     except RuntimeError:
@@ -261,6 +267,44 @@ def memory_summary(device=None, abbreviated: bool = False) -> str:
     width = max(len(k) for k in stats)
     lines = [title] + [f"  {k:<{width}}  {v}" for k, v in sorted(stats.items())]
     return "\n".join(lines) + "\n"
+
+
+def max_memory_reserved(device=None) -> int:
+    s = memory_stats(device)
+    return int(s.get("peak_bytes_reserved", s.get("bytes_reserved", s.get("bytes_limit", 0))))
+
+
+def mem_get_info(device=None) -> tuple:
+    """(free, total) bytes of the device, from the runtime's limit and what is in use."""
+    s = memory_stats(device)
+    if "bytes_limit" not in s:
+        raise RuntimeError(
+            f"torch.pjrt.mem_get_info: the runtime reports no memory limit on platform {platform()!r}"
+        )
+    total = int(s["bytes_limit"])
+    return max(0, total - int(s.get("bytes_in_use", 0))), total
+
+
+_warned_reset = False
+
+
+def reset_peak_memory_stats(device=None) -> None:
+    """The runtime keeps one peak per process and cannot reset it: max_memory_allocated() keeps
+    reporting the peak since the process started (warned once where the runtime reports one)."""
+    global _warned_reset
+    if memory_stats(device) and not _warned_reset:
+        _warned_reset = True
+        import warnings
+
+        warnings.warn(
+            "torchpjrt: the runtime's memory statistics cannot be reset; max_memory_allocated() "
+            "and max_memory_reserved() keep reporting the peak since the process started",
+            stacklevel=2,
+        )
+
+
+def reset_accumulated_memory_stats(device=None) -> None:
+    reset_peak_memory_stats(device)
 
 
 class _DeviceProperties:
