@@ -275,7 +275,8 @@ class LoweredKernel:
         self.cache = {}
         self.fused_avals = {}  # key -> output shapes/dtypes, for recording in fused mode
         args = self.sig.schema.arguments
-        self.plan = [(i, self.sig.kinds[i]) for i in range(self.n_inputs)]
+        kinds = _kinds(self.sig, lowering)
+        self.plan = [(i, kinds[i]) for i in range(self.n_inputs)]
         self._static_positions = frozenset(i for i, name in enumerate(self.sig.names) if name in lowering.static)
         self._index_lists = frozenset(i for i, a in enumerate(args) if str(a.type) == "List[Optional[Tensor]]")
         # a factory (arange, eye, linspace, ...): its output is a new allocation
@@ -438,6 +439,14 @@ def _corrected_dtype(op, vals, dtype):
     return dtype
 
 
+def _kinds(sig, lowering):
+    """The schema's argument kinds, with the `float` arguments the lowering asks traced
+    (`traced=`: an optimizer's learning rate) as scalars."""
+    if not lowering.traced:
+        return sig.kinds
+    return [SCALAR if name in lowering.traced else k for name, k in zip(sig.names, sig.kinds)]
+
+
 def scalar_is_static(v, i, static_positions):
     """Scalars are traced (a new learning rate must not recompile) except None, bools, the
     common value 1 (alpha=1), and those a lowering asks to see as Python values."""
@@ -463,7 +472,7 @@ def _freeze(v):
 def _compile(lowering, sig, vals, static_positions, expected, identity=None):
     """A jitted function of the dynamic arguments (tensors, traced scalars); with `identity`
     (what fixes its program: the op and its kernel key), one whose executable is kept on disk."""
-    kinds = sig.kinds
+    kinds = _kinds(sig, lowering)
     template = list(vals)
     dynamic = []
     view_readers = {}

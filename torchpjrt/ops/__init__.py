@@ -11,6 +11,11 @@ Every execution path (eager, fused, compiled) calls these functions.
 Options:
   static=("name", ...)  Scalar arguments baked into the compiled function (others are
                         traced, so a changing learning rate does not recompile).
+  traced=("name", ...)  `float` arguments passed traced (a JAX scalar, or a Python float
+                        in compiled graphs) instead of baked in, as Scalar ones are: the
+                        hyperparameters a schedule changes every step (a fused
+                        optimizer's lr, betas, weight decay). Other `float` arguments
+                        are baked in, one program per value.
   random=True           the function takes a trailing `key` (a JAX PRNG key) argument.
   mutates=("self",)     for mutating overloads: the function returns the new values of
                         these arguments (after any regular outputs).
@@ -78,6 +83,7 @@ class Lowering:
     view: bool = False
     graph_only: bool = False
     check: DeviceCheck | None = None
+    traced: frozenset = frozenset()
     # the program comes from user code (torchpjrt.kernel), which the kernel cache's environment
     # tag does not hash: its executables are not kept on disk under the op's name
     user_code: bool = False
@@ -124,7 +130,7 @@ def lower_by_name(*names, static=(), mutates=()):
 
 
 def lower(*overloads, static=(), random=False, mutates=(), dynamic_shape=False, view=False, graph_only=False,
-          check=None):
+          check=None, traced=()):
     def register(fn):
         for op in overloads:
             if isinstance(op, torch._ops.OpOverloadPacket):
@@ -132,7 +138,7 @@ def lower(*overloads, static=(), random=False, mutates=(), dynamic_shape=False, 
             if op in TABLE:
                 raise ValueError(f"{op} is lowered twice")
             TABLE[op] = Lowering(fn, frozenset(static), random, tuple(mutates), dynamic_shape, view, graph_only,
-                                 check)
+                                 check, traced=frozenset(traced))
         return fn
 
     return register

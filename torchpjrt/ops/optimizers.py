@@ -7,8 +7,20 @@ computed in double and rounded once to the opmath type; exp_avg moves by lerp. `
 gradients (and the unscaled gradients are stored back); a `found_inf` of 1.0 skips the step,
 leaving every tensor as it was.
 
+Every hyperparameter a schedule may change between steps (lr, betas, weight decay, eps,
+momentum, dampening) is traced (`traced=`), as are the step counts: a new learning rate every
+step reuses one program. Bools (amsgrad, maximize, nesterov, is_first_step) and the lists'
+structure (momentum buffers or none: torch.optim passes none for a zero momentum) are fixed
+per program. A weight decay of zero is a value, not a program: the CPU kernels skip its term,
+and a select keeps that exact result. Coefficients combine in float64 on the device (XLA
+computes `1 - lr * weight_decay` as one fused multiply-add, as the CPU's AVX2 kernel does;
+rounded to float32 for 16-bit and float32 parameters, it differs from the separately rounded
+form only where a float32 rounding boundary falls between the two). The CPU refuses momentum
+buffers given with a zero momentum, or none with a nonzero one; the momentum's value is not
+seen here, so SGD then leaves the buffers as they are, or takes plain steps.
+
 The in-place overloads update several lists, so they are lowered with `mutates=`; the
-functional overloads serve compiled graphs.
+functional overloads serve compiled graphs (where the values may also be Python floats).
 """
 
 import jax.numpy as jnp
@@ -48,6 +60,18 @@ def _coefficient(x, op):
     return jnp.asarray(x, jnp.float64).astype(op)
 
 
+def _double(x):
+    """A hyperparameter (a traced scalar, a Python float, or lr's 0-dim tensor) as a float64 scalar."""
+    return jnp.asarray(x, jnp.float64).reshape(())
+
+
+def _unless_zero(x, with_term, without):
+    """`with_term` where the hyperparameter `x` is nonzero, else `without`: the CPU kernels skip
+    a zero weight decay's term (adding param * 0 would turn a gradient of -0.0 into +0.0 and
+    an infinite parameter's gradient into NaN)."""
+    return jnp.where(x != 0, with_term, without)
+
+
 def _skipped(found_inf, new, old):
     """`new`, or `old` where found_inf says the step is skipped."""
     if found_inf is None:
@@ -62,7 +86,7 @@ def _adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr
     _check_same_lengths(what, params, grads, exp_avgs, exp_avg_sqs, state_steps)
     if amsgrad and len(max_exp_avg_sqs) != len(params):
         raise RuntimeError(f"{what}: amsgrad needs one max_exp_avg_sq per parameter")
-    lr = jnp.asarray(lr, jnp.float64).reshape(())
+    lr, beta1, beta2, weight_decay, eps = (_double(x) for x in (lr, beta1, beta2, weight_decay, eps))
     out_p, out_g, out_m, out_v, out_vmax = [], [], [], [], []
     for i, (p, g, m, v, step) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, state_steps)):
         op, param, grad, stored = _gradient(what, p, g, grad_scale, maximize)
@@ -72,13 +96,13 @@ def _adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr
             return _coefficient(x, op)
 
         step = step.reshape(()).astype(jnp.float64)
-        bias_correction1 = 1 - jnp.power(jnp.float64(beta1), step)
-        bias_correction2_sqrt = jnp.sqrt(1 - jnp.power(jnp.float64(beta2), step))
+        bias_correction1 = 1 - jnp.power(beta1, step)
+        bias_correction2_sqrt = jnp.sqrt(1 - jnp.power(beta2, step))
         step_size = lr / bias_correction1
         if decoupled:
-            param = param * c(1 - lr * weight_decay)
-        elif weight_decay != 0:
-            grad = grad + param * c(weight_decay)
+            param = param * c(1 - lr * weight_decay)  # a zero weight decay multiplies by exactly 1
+        else:
+            grad = _unless_zero(weight_decay, grad + param * c(weight_decay), grad)
         exp_avg = lerp(m.astype(op), grad, c(1 - beta1))
         exp_avg_sq = v.astype(op) * c(beta2) + c(1 - beta2) * grad * grad
         if amsgrad:
@@ -106,21 +130,24 @@ def _adam_lowering(decoupled):
     return fused
 
 
-# betas, weight decay and eps are fixed per optimizer: static, so the coefficients fold in;
-# lr (a schedule changes it every step) stays traced
-_STATIC = ("beta1", "beta2", "weight_decay", "eps")
-lower(aten._fused_adam_.default, aten._fused_adam_.tensor_lr, mutates=_ADAM_MUTATES, static=_STATIC)(
+# lr changes every step under a schedule, betas under OneCycleLR's momentum cycling, weight
+# decay when a program edits param_groups: all traced (the `float` arguments are otherwise baked in)
+_TRACED = ("lr", "beta1", "beta2", "weight_decay", "eps")
+lower(aten._fused_adam_.default, aten._fused_adam_.tensor_lr, mutates=_ADAM_MUTATES, traced=_TRACED)(
     _adam_lowering(False))
-lower(aten._fused_adamw_.default, aten._fused_adamw_.tensor_lr, mutates=_ADAM_MUTATES, static=_STATIC)(
+lower(aten._fused_adamw_.default, aten._fused_adamw_.tensor_lr, mutates=_ADAM_MUTATES, traced=_TRACED)(
     _adam_lowering(True))
-lower(aten._fused_adam.default, aten._fused_adam.tensor_lr, graph_only=True, static=_STATIC)(_adam_lowering(False))
-lower(aten._fused_adamw.default, aten._fused_adamw.tensor_lr, graph_only=True, static=_STATIC)(_adam_lowering(True))
+lower(aten._fused_adam.default, aten._fused_adam.tensor_lr, graph_only=True, traced=_TRACED)(_adam_lowering(False))
+lower(aten._fused_adamw.default, aten._fused_adamw.tensor_lr, graph_only=True, traced=_TRACED)(_adam_lowering(True))
 
 
 def _sgd(params, grads, momentum_buffers, weight_decay, momentum, lr, dampening, nesterov, maximize,
          is_first_step, grad_scale, found_inf):
     _check_same_lengths("_fused_sgd_", params, grads, momentum_buffers)
-    lr = jnp.asarray(lr, jnp.float64).reshape(())
+    lr, weight_decay, momentum, dampening = (_double(x) for x in (lr, weight_decay, momentum, dampening))
+    # torch.optim passes momentum buffers exactly when momentum is nonzero: their presence fixes
+    # the program, and a zero momentum with buffers (a direct call) leaves them as they were
+    with_momentum = len(momentum_buffers) > 0
     out_p, out_g, out_b = [], [], []
     for i, (p, g) in enumerate(zip(params, grads)):
         op, param, grad, stored = _gradient("_fused_sgd_", p, g, grad_scale, maximize)
@@ -129,15 +156,14 @@ def _sgd(params, grads, momentum_buffers, weight_decay, momentum, lr, dampening,
         def c(x):
             return _coefficient(x, op)
 
-        if weight_decay != 0:
-            grad = grad + param * c(weight_decay)
-        if momentum != 0:
+        grad = _unless_zero(weight_decay, grad + param * c(weight_decay), grad)
+        if with_momentum:
             b = momentum_buffers[i]
             buf = grad if is_first_step else b.astype(op) * c(momentum) + grad * c(1 - dampening)
-            out_b.append(buf.astype(b.dtype))
-            grad = grad + buf * c(momentum) if nesterov else buf
+            out_b.append(_unless_zero(momentum, buf.astype(b.dtype), b))
+            grad = _unless_zero(momentum, grad + buf * c(momentum) if nesterov else buf, grad)
         out_p.append((param - grad * c(lr)).astype(p.dtype))
-    if momentum == 0:
+    if not with_momentum:
         out_b = list(momentum_buffers)
     return tuple(_skipped(found_inf, new, old) for new, old in (
         (out_p, params), (out_g, grads), (out_b, momentum_buffers)))
@@ -149,7 +175,7 @@ def fused_sgd(self, grads, momentum_buffer_list, weight_decay, momentum, lr, dam
                 is_first_step, grad_scale, found_inf)
 
 
-_SGD_STATIC = ("weight_decay", "momentum", "dampening")
+_SGD_TRACED = ("lr", "weight_decay", "momentum", "dampening")
 lower(aten._fused_sgd_.default, aten._fused_sgd_.tensor_lr, mutates=("self", "grads", "momentum_buffer_list"),
-      static=_SGD_STATIC)(fused_sgd)
-lower(aten._fused_sgd.default, aten._fused_sgd.tensor_lr, graph_only=True, static=_SGD_STATIC)(fused_sgd)
+      traced=_SGD_TRACED)(fused_sgd)
+lower(aten._fused_sgd.default, aten._fused_sgd.tensor_lr, graph_only=True, traced=_SGD_TRACED)(fused_sgd)
