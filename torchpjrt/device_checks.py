@@ -98,9 +98,3 @@ def _raise_first(entries, arrays) -> None:
             error.args = (f"{error}\n(torchpjrt: found on the device by {op_name}, called from {where}; "
                           "reported at the next synchronization point)",)
             raise error
-
-
-def discard() -> None:
-    """Forget pending checks (tests that reset the device state)."""
-    with _lock:
-        _pending.clear()
