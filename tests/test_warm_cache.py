@@ -40,5 +40,6 @@ def test_second_run_loads_every_kernel_and_matches(tmp_path):
                                    torch.tensor(warm["cpu_programs"][name][0]) if name == "compiled_linalg"
                                    else warm["cpu_programs"][name], rtol=1e-4, atol=1e-5)
     # every lowering file that eager execution uses was exercised
-    eager_families = {lowering.fn.__module__.rsplit(".", 1)[1] for lowering in TABLE.values() if lowering.eager}
+    eager_families = {lowering.fn.__module__.rsplit(".", 1)[1] for lowering in TABLE.values()
+                      if lowering.eager and not lowering.user_code}  # custom kernels other tests made: not ours
     assert eager_families <= set(cold["families"]), eager_families - set(cold["families"])

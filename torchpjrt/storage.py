@@ -11,9 +11,12 @@ jitted strided read cached per storage version). Writing scatters into the stora
 bumps its version.
 """
 
+import ctypes
 import functools
 import math
 import os
+import threading
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -348,7 +351,9 @@ def wrap(array, dtype: torch.dtype = None) -> torch.Tensor:
     if dtype is None:
         dtype = dtypes.to_torch(array.dtype)
     t = _create_empty(array.shape, dtype)
-    t.untyped_storage()._pjrt = Storage(array, dtype)
+    s = t.untyped_storage()
+    s._pjrt = Storage(array, dtype)
+    give_address(s, t.numel() * dtype.itemsize)
     return t
 
 
@@ -360,8 +365,55 @@ def empty(shape, dtype: torch.dtype) -> torch.Tensor:
     if nbytes > _capacity:
         check_allocation(nbytes, shape)
     t = _create_empty(shape, dtype)
-    t.untyped_storage()._pjrt = Storage(None, dtype, shape)
+    s = t.untyped_storage()
+    s._pjrt = Storage(None, dtype, shape)
+    give_address(s, nbytes)
     return t
+
+
+# ---- addresses ---------------------------------------------------------------------------
+# PyTorch and the libraries on it tell storages apart by data_ptr(): torch.save, safetensors'
+# and transformers' shared-tensor checks, checkpointers deciding what changed. A pjrt storage's
+# bytes are a jax.Array with no host address, and PyTorch's Python backend gives every storage a
+# null pointer. So each storage gets an address of its own from a range no host memory uses
+# (above 2**60: beyond the virtual address space of x86-64 and arm64), written into the c10
+# storage's data pointer; views are base + offset x element size as PyTorch computes them. The
+# address is never dereferenced: only pjrt kernels touch pjrt storages. A storage keeps its
+# address for its life; addresses are never reused.
+
+_ADDRESS_BASE = 1 << 60
+_ADDRESS_ALIGN = 256
+_next_address = _ADDRESS_BASE
+_address_lock = threading.Lock()
+
+
+def _find_data_pointer_word():
+    """Byte offset of the data pointer inside a c10 StorageImpl, read off a CPU storage whose
+    pointer is known; None if this PyTorch lays storages out otherwise."""
+    probe = torch.UntypedStorage(64)
+    words = (ctypes.c_uint64 * 8).from_address(probe._cdata)
+    for i, word in enumerate(words):
+        if word == probe.data_ptr():
+            return i * 8
+    warnings.warn("torchpjrt: cannot find the data pointer of a c10 storage in this PyTorch build; "
+                  "pjrt storages report data_ptr() == 0", RuntimeWarning, stacklevel=2)
+    return None
+
+
+_DATA_POINTER_OFFSET = _find_data_pointer_word()
+
+
+def give_address(s: torch.UntypedStorage, nbytes: int) -> None:
+    """Give the c10 storage `s` a fresh address for `nbytes` bytes (0 for none, as on CPU)."""
+    global _next_address
+    if _DATA_POINTER_OFFSET is None:
+        return
+    address = 0
+    if nbytes:
+        with _address_lock:
+            address = _next_address
+            _next_address += -(-nbytes // _ADDRESS_ALIGN) * _ADDRESS_ALIGN
+    ctypes.c_uint64.from_address(s._cdata + _DATA_POINTER_OFFSET).value = address
 
 
 # ---- what the device can hold ------------------------------------------------------------
@@ -425,6 +477,7 @@ def resize(t: torch.Tensor, size) -> None:
         if need * st.dtype.itemsize > _capacity:
             check_allocation(need * st.dtype.itemsize)
         st.replace(call(_grow_fn(st.numel, need, dtypes.to_jax(st.dtype)), st.value()))
+        give_address(t.untyped_storage(), need * st.dtype.itemsize)  # reallocated, as on CPU
     stride = contiguous_strides(size)
     set_geometry(t, size, stride, offset)
 

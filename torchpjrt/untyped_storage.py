@@ -49,14 +49,8 @@ def new_pjrt_storage(st: storage.Storage) -> torch.UntypedStorage:
     """A fresh c10 storage on pjrt:0 carrying `st`."""
     s = storage._create_empty((0,), st.dtype).untyped_storage()
     s._pjrt = st
+    storage.give_address(s, st.numel * st.dtype.itemsize)
     return s
-
-
-def _data_ptr(self):
-    # device bytes have no host address here. PyTorch reads 0 as "not allocated" (torch.save then
-    # skips its same-memory-different-dtype check); torch.load's storage sharing does not depend
-    # on it (_load below)
-    return 0 if _is_pjrt(self) else _original["data_ptr"](self)
 
 
 def _clone(self):
@@ -142,10 +136,9 @@ def _resize_(self, size):
 # torch.save writes each storage once, under a key, and every tensor (view, tied weight) or storage
 # object on it refers to that key. torch.load reads the key's bytes at its first reference and gives
 # the later references the same storage, but only when that storage's data_ptr() is nonzero, its
-# test for "allocated" (meta and fake storages are rebuilt per reference). A pjrt storage's bytes
-# are a jax.Array, so its data_ptr() cannot be what decides this: without the unpickler below, each
-# reference to a pjrt storage was read into a storage of its own, and views and tied weights came
-# back unshared. The unpickler keeps every pjrt storage by its key, whatever data_ptr() reports.
+# test for "allocated" (meta and fake storages are rebuilt per reference). The unpickler below keeps
+# every pjrt storage by its key, whatever data_ptr() reports (a storage whose size is 0 has none),
+# and types each reference as it was saved.
 
 
 def _one_storage_per_key(persistent_load):
@@ -204,7 +197,7 @@ def install():
     cls = torch.UntypedStorage
     for name, fn in (("nbytes", _nbytes), ("size", _size), ("__len__", _len), ("clone", _clone),
                      ("cpu", _cpu), ("copy_", _copy_), ("resize_", _resize_),
-                     ("data_ptr", _data_ptr), ("to", _to)):
+                     ("to", _to)):
         if name not in _original:
             _original[name] = getattr(cls, name)
             setattr(cls, name, fn)

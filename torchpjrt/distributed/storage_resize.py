@@ -50,6 +50,7 @@ def _resize_(self, nbytes):
     else:
         new = fusion.call(_refit_fn(st.numel, numel, jdtype), st.array)
     st.replace(new)
+    storage.give_address(self, nbytes)  # re-allocated memory has a new address, as on CUDA
     return self
 
 
