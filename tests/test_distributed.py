@@ -131,6 +131,10 @@ def _init(timeout_s=60):
     import torchpjrt  # noqa: F401
 
     print(f"imported at {time.monotonic() - _START:.1f}s", flush=True)
+    # frameworks ask about the device before init_process_group (TorchTitan at import); with
+    # TORCHPJRT_PLATFORM set that starts JAX's runtime, which the process group must still start
+    assert torch.pjrt.is_available() and torch.pjrt.device_count() == 1
+    assert torch.pjrt.get_device_properties(0).total_memory > 0
     dist.init_process_group("pjrt", timeout=timedelta(seconds=timeout_s))
     print(f"initialized at {time.monotonic() - _START:.1f}s", flush=True)
     return torch, dist, dist.get_rank(), dist.get_world_size()
@@ -217,6 +221,13 @@ def worker_collectives():
     out = torch.empty(2, device=dev)
     dist.reduce_scatter(out, [row.to(dev) for row in full[rank]])
     same(out, sum(full)[rank])
+    # PREMUL_SUM (FSDP2's gradient divide factor): each input times the factor, then summed
+    for factor in (0.25, torch.tensor(0.5, device=dev)):
+        dist.reduce_scatter_tensor(out, full[rank].reshape(-1).to(dev), op=dist.ReduceOp.PREMUL_SUM(factor))
+        same(out, sum(full)[rank] * float(factor))
+    t = per_rank(rank).to(dev)
+    dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.125))
+    same(t, stacked.sum(0) * 0.125)
 
     if every_check:
         # all_to_all_single and all_to_all

@@ -24,6 +24,11 @@ from . import untyped_storage as _untyped_storage  # noqa: E402
 
 _untyped_storage.install()
 
+from . import interop as _interop  # noqa: E402
+
+_interop.install()  # DLPack for pjrt tensors, torch.from_dlpack onto pjrt
+from .interop import from_jax, to_jax  # noqa: E402,F401
+
 from . import module_conversion as _module_conversion  # noqa: E402
 
 _module_conversion.install()
@@ -61,6 +66,6 @@ def op_stats() -> dict:
     return dict(_dispatch.stats)
 
 
-__all__ = ["compile_stats", "op_stats", "cpu_fallback_counts", "set_device_checks", "kernel", "export", "load_exported", "ExportError", "set_eager_mode", "get_eager_mode", "eager_mode",
+__all__ = ["to_jax", "from_jax", "compile_stats", "op_stats", "cpu_fallback_counts", "set_device_checks", "kernel", "export", "load_exported", "ExportError", "set_eager_mode", "get_eager_mode", "eager_mode",
            "eager_stats", "reset_eager_stats", "save_safetensors", "load_safetensors",
            "save_model", "load_model"]

@@ -96,6 +96,29 @@ def is_available() -> bool:
         return False
 
 
+def release_probed_runtime() -> bool:
+    """Undo a start of JAX's runtime that only probed the devices (is_available, device_count,
+    get_device_properties, ... before any computation), so that JAX's multi-process runtime,
+    which must start before the devices exist, can still start: frameworks ask about the device
+    at import, before init_process_group. Returns whether the runtime is now unstarted; false once
+    an array exists or a pjrt op has run (their buffers and programs belong to the started runtime)."""
+    global _devices
+    from jax._src import xla_bridge
+
+    from . import dispatch
+
+    if not xla_bridge.backends_are_initialized():
+        return True
+    if jax.live_arrays() or any(dispatch.stats.values()):
+        return False
+    with _lock:
+        xla_bridge._clear_backends()
+        jax.clear_caches()
+        jax.config.update("jax_default_device", None)
+        _devices = None
+    return True
+
+
 def is_initialized() -> bool:
     """Whether this process has set up its pjrt devices (the first tensor computation,
     `torch.pjrt.init()`, ... do); false in a child forked after that (see `_is_in_bad_fork`)."""
@@ -307,6 +330,10 @@ def reset_accumulated_memory_stats(device=None) -> None:
     reset_peak_memory_stats(device)
 
 
+def _host_memory() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 class _DeviceProperties:
     """What the runtime says about one device (torch.pjrt.get_device_properties)."""
 
@@ -317,8 +344,8 @@ class _DeviceProperties:
         self.name = dev.device_kind
         self.platform = dev.platform
         self.type = BACKEND_NAME
-        # bytes the runtime lets us allocate; None where it reports no limit (CPU)
-        self.total_memory = stats.get("bytes_limit")
+        # bytes the runtime lets us allocate; where it reports no limit (CPU), the host's memory
+        self.total_memory = int(stats.get("bytes_limit") or _host_memory())
 
     def __repr__(self):
         return (f"_DeviceProperties(name={self.name!r}, platform={self.platform!r}, "

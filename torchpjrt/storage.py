@@ -14,7 +14,6 @@ bumps its version.
 import ctypes
 import functools
 import math
-import os
 import threading
 import warnings
 
@@ -452,7 +451,9 @@ def device_capacity():
     limit = int((stats or {}).get("bytes_limit") or 0)
     if limit > 0:
         return limit, "the device's memory limit"
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "the host's physical memory"
+    from .device import _host_memory
+
+    return _host_memory(), "the host's physical memory"
 
 
 def alias(base: torch.Tensor, size, stride, offset, dtype: torch.dtype = None) -> torch.Tensor:

@@ -251,7 +251,9 @@ def to_jax_function(gm: torch.fx.GraphModule, hooks=None, checks=False):
                     OUTPUT_CHECKS[op](vals, outs)
                 outs = _cast(outs, _expected_dtypes(node))
                 val = node.meta.get("val")
-                if isinstance(val, (list, tuple)) or n_regular > 1:
+                if n_regular == 0:
+                    env[node.name] = None  # an op run for its check alone (_assert_async)
+                elif isinstance(val, (list, tuple)) or n_regular > 1:
                     env[node.name] = outs
                 else:
                     env[node.name] = outs[0]

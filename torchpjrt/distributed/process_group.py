@@ -37,10 +37,28 @@ _REDUCE_OP_NAMES = {
 
 
 def _reduce_op_name(op) -> str:
-    name = _REDUCE_OP_NAMES.get(getattr(op, "op", op))  # options hold a ReduceOp wrapping the enum
+    kind = getattr(op, "op", op)  # options hold a ReduceOp wrapping the enum
+    if kind == dist.ReduceOp.PREMUL_SUM:
+        return "sum"  # the inputs are multiplied first (_reduced_input)
+    name = _REDUCE_OP_NAMES.get(kind)
     if name is None:
-        raise ValueError(f"torchpjrt.distributed: reduce op {op} is not supported (PREMUL_SUM is not)")
+        raise ValueError(f"torchpjrt.distributed: reduce op {op} is not supported")
     return name
+
+
+def _reduced_input(t: torch.Tensor, op):
+    """The array a reduction of `t` by `op` sums: ReduceOp.PREMUL_SUM(factor) (FSDP2's gradient
+    divide factor) multiplies each rank's input by the factor first, in the input's dtype, as NCCL
+    does; every other op reduces `t` itself."""
+    if getattr(op, "op", op) != dist.ReduceOp.PREMUL_SUM:
+        return _array(t)
+    factor = op.factor
+    if isinstance(factor, torch.Tensor):
+        if factor.numel() != 1:
+            raise ValueError(f"torchpjrt.distributed: PREMUL_SUM needs a one-element factor, got shape {list(factor.shape)}")
+        factor = factor.item()
+    with torch.no_grad():
+        return _array(t * factor)
 
 
 def _check_enabled() -> bool:
@@ -263,7 +281,7 @@ class ProcessGroupPJRT(dist.ProcessGroup):
         description = self._agree(f"all_reduce {name} " + ",".join(_describe(t) for t in tensors))
         outs = []
         for t in tensors:
-            out = collectives.all_reduce(_array(t), self._devices, name)
+            out = collectives.all_reduce(_reduced_input(t, op), self._devices, name)
             storage.write(t, out)
             outs.append(out)
         return PjrtWork(outs, list(tensors), description)
@@ -355,7 +373,7 @@ class ProcessGroupPJRT(dist.ProcessGroup):
     def _reduce_scatter_into(self, output, input, op, what):
         name = _reduce_op_name(op)
         description = self._agree(f"{what} {name} {_describe(input)}->{_describe(output)}")
-        a = _array(input)
+        a = _reduced_input(input, op)
         n = self.size()
         if a.ndim == 0 or a.shape[0] % n:
             a = a.reshape(-1)  # a (world, ...) stacked or odd-shaped input: split the flat elements
@@ -434,7 +452,7 @@ class ProcessGroupPJRT(dist.ProcessGroup):
         description = self._agree(f"reduce {name} root={root} " + ",".join(_describe(t) for t in tensors))
         outs = []
         for t in tensors:
-            out = collectives.all_reduce(_array(t), self._devices, name)
+            out = collectives.all_reduce(_reduced_input(t, op), self._devices, name)
             if self.rank() == root:  # an all-reduce whose result only the root keeps
                 storage.write(t, out)
             outs.append(out)

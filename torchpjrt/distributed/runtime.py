@@ -30,7 +30,6 @@ import time
 from datetime import timedelta
 
 import jax
-from jax._src import xla_bridge
 
 _COORDINATOR_KEY = "torchpjrt/jax_coordinator"
 _HEARTBEAT_KEY = "torchpjrt/alive/{}"
@@ -97,7 +96,9 @@ def initialize(store, rank: int, world_size: int, timeout: timedelta) -> None:
                     "same process (JAX allows one initialization per process)"
                 )
             return
-        if xla_bridge.backends_are_initialized():
+        from ..device import release_probed_runtime
+
+        if not release_probed_runtime():
             raise RuntimeError(
                 "torchpjrt.distributed: init_process_group('pjrt') must come before the first "
                 "pjrt tensor or JAX computation of the process: JAX's multi-process runtime "

@@ -162,6 +162,7 @@ _FAMILIES = (
     "amp",
     "optimizers",
     "grouped_mm",
+    "asserts",
 )
 
 
