@@ -109,7 +109,7 @@ def _adopt(old, new):
         new.grad = new_grad
         raise
     _poison_accumulator(new)  # `new` now holds the tensor a graph before the move reaches
-    _set_version((old,), (version,))
+    _keep_version(old, version)
     if old._backward_hooks is not None:  # hooks live on the tensor: register them on this one
         old._backward_hooks = old._backward_hooks
     if old._post_accumulate_grad_hooks is not None:
@@ -124,8 +124,14 @@ def _adopt(old, new):
     except RuntimeError:
         old.grad = new_grad  # the grad moves as a new tensor
         return
-    _set_version((old_grad,), (grad_version,))
+    _keep_version(old_grad, grad_version)
     old.grad = old_grad
+
+
+def _keep_version(t, version):
+    # a tensor made under torch.inference_mode (a move inside it) has no version counter to set
+    if not t.is_inference():
+        _set_version((t,), (version,))
 
 
 def _keep_parameters(module, before):
@@ -134,11 +140,12 @@ def _keep_parameters(module, before):
         new = params.get(key)
         if new is None or new is old or not _kept_on_cuda(old, new):
             continue
+        target = new.device
         try:
             _adopt(old, new)
         except RuntimeError as e:
             warnings.warn(
-                f"torchpjrt: {module._get_name()}.{key} moved to {new.device} as a new Parameter "
+                f"torchpjrt: {module._get_name()}.{key} moved to {target} as a new Parameter "
                 f"({e}); an optimizer built before the move does not update it: build it after",
                 stacklevel=4)
             continue

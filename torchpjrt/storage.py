@@ -29,6 +29,7 @@ from .fusion import call
 _create_empty = torch._C._acc.create_empty_tensor
 _META = torch._C.DispatchKeySet(torch._C.DispatchKey.Meta)
 _set_storage = torch.ops.aten.set_.source_Storage_storage_offset
+_inference_mode_enabled = torch.is_inference_mode_enabled
 
 
 class Storage:
@@ -458,6 +459,14 @@ def device_capacity():
 
 def alias(base: torch.Tensor, size, stride, offset, dtype: torch.dtype = None) -> torch.Tensor:
     """A new pjrt tensor sharing `base`'s storage with the given geometry (a view)."""
+    if _inference_mode_enabled() != base.is_inference():
+        # a view is an inference tensor exactly when its base is, in inference mode or not (as
+        # CPU's views copy their base's dispatch keys); a tensor made here would otherwise follow
+        # the mode, and autograd then fails to give a normal base's view its version counter
+        with torch.inference_mode(base.is_inference()):
+            t = _create_empty((0,), dtype or base.dtype)
+            _set_storage.redispatch(_META, t, base.untyped_storage(), offset, size, stride)
+        return t
     t = _create_empty((0,), dtype or base.dtype)
     _set_storage.redispatch(_META, t, base.untyped_storage(), offset, size, stride)
     return t
