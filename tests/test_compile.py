@@ -31,6 +31,40 @@ def test_compiled_training_step_matches_cpu():
         torch.testing.assert_close(b.grad.cpu(), a.grad, rtol=1e-4, atol=1e-6)
 
 
+def test_default_backend_compiles_pjrt_graphs_through_xla(monkeypatch):
+    """torch.compile(model) without a backend: inductor cannot compile pjrt tensors (it failed on
+    var_mean); the graph goes to the pjrt backend, training included."""
+    from torchpjrt.compile import default_backend
+
+    monkeypatch.setattr(default_backend, "_warned", False)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
+    ref = copy.deepcopy(model)
+    ref_loss = F.cross_entropy(ref(x), y)
+    ref_loss.backward()
+    dev = model.to("pjrt")
+    before = compile_stats().get("graphs", 0)
+    loss = F.cross_entropy(torch.compile(dev)(x.to("pjrt")), y.to("pjrt"))
+    loss.backward()
+    assert compile_stats()["graphs"] >= before + 2
+    torch.testing.assert_close(loss.cpu(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    for a, b in zip(ref.parameters(), dev.parameters()):
+        torch.testing.assert_close(b.grad.cpu(), a.grad, rtol=1e-4, atol=1e-6)
+    with pytest.warns(UserWarning, match="inductor's mode and options are ignored"):
+        out = torch.compile(dev, mode="max-autotune")(x.to("pjrt"))
+    torch.testing.assert_close(out.detach().cpu(), ref(x).detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_default_backend_keeps_inductor_for_cpu_graphs():
+    from torchpjrt.compile import default_backend
+
+    gm = torch.fx.symbolic_trace(nn.Linear(2, 2))
+    assert not default_backend._on_pjrt(gm, [torch.ones(2, 2)])
+    assert default_backend._on_pjrt(gm, [torch.ones(2, 2, device="pjrt")])
+
+
 @pytest.mark.slow  # a fresh process
 def test_backend_is_found_without_importing_torchpjrt():
     code = (

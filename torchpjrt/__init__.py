@@ -12,6 +12,10 @@ from . import accelerator as _accelerator  # noqa: E402
 
 _accelerator.install()  # torch.accelerator's memory/synchronize and pin_memory() on pjrt
 
+from .compile import default_backend as _default_backend  # noqa: E402
+
+_default_backend.install()  # torch.compile(model) of a pjrt model compiles through XLA
+
 from . import compile_cache as _compile_cache  # noqa: E402
 
 _compile_cache.configure()
