@@ -51,6 +51,9 @@ from .device_checks import set_enabled as set_device_checks  # noqa: E402,F401
 from .stablehlo_export import ExportError, export, load_exported  # noqa: E402,F401
 from .kernels import kernel  # noqa: E402,F401
 from .eager import eager_mode, eager_stats, get_eager_mode, reset_eager_stats, set_eager_mode  # noqa: E402,F401
+from . import lightning as _lightning  # noqa: E402
+
+_lightning.watch_imports()  # Trainer(accelerator="pjrt") once Lightning is imported
 from . import checkpoint as _checkpoint  # noqa: E402
 
 _checkpoint.install()  # safetensors.torch.load_file(..., device="pjrt")

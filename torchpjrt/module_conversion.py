@@ -129,8 +129,9 @@ def _adopt(old, new):
 
 
 def _keep_version(t, version):
-    # a tensor made under torch.inference_mode (a move inside it) has no version counter to set
-    if not t.is_inference():
+    with torch._C.DisableTorchFunctionSubclass():  # UninitializedParameter refuses every call
+        inference = t.is_inference()
+    if not inference:  # a tensor made under torch.inference_mode has no version counter to set
         _set_version((t,), (version,))
 
 

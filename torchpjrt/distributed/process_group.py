@@ -164,6 +164,16 @@ class ProcessGroupPJRT(dist.ProcessGroup):
     def __repr__(self):
         return f"ProcessGroupPJRT(rank={self.rank()}, size={self.size()}, ranks={self._global_ranks})"
 
+    # init_process_group(..., device_id=...) (Lightning and TorchTitan pass one) asks the group for
+    # its backend on that device and whether it can split: this group serves pjrt and CPU tensors
+    # itself and makes sub-groups with new_group
+    supports_splitting = False
+
+    def _get_backend(self, device):
+        if torch.device(device).type not in (BACKEND_NAME, "cpu"):
+            raise RuntimeError(f"torchpjrt.distributed: the pjrt process group has no backend for {device}")
+        return self
+
     # ---- helpers ---------------------------------------------------------------------
 
     def _cpu_group(self):
