@@ -89,10 +89,16 @@ def _poison_accumulator(t):
         node.register_prehook(_stale_graph)
 
 
-def _owned(t) -> bool:
-    """Whether only the caller's name holds `t` (besides this frame and getrefcount's
-    argument): the converted grad is `fn`'s own result, which `fn` may have kept."""
-    return sys.getrefcount(t) <= 3 and t._use_count() == 1
+def _owned(t, alone) -> bool:
+    """Whether only the caller's name holds `t`: the converted grad is `fn`'s own result, which
+    `fn` may have kept. `alone` is a tensor only the caller holds, passed the same way: what a
+    reference count includes varies (Dynamo's frame hook adds one per frame a value is passed
+    through)."""
+    return _references(t) <= _references(alone) and t._use_count() == 1
+
+
+def _references(t) -> int:
+    return sys.getrefcount(t)
 
 
 def _adopt(old, new):
@@ -118,7 +124,8 @@ def _adopt(old, new):
         return
     grad_version = old_grad._version
     try:
-        if not _owned(new_grad):
+        alone = torch.empty(0)
+        if not _owned(new_grad, alone):
             raise RuntimeError
         torch._C._swap_tensor_impl(old_grad, new_grad)
     except RuntimeError:
