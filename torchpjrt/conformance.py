@@ -263,7 +263,8 @@ def op_key(opinfo):
     return opinfo.name + ("." + opinfo.variant_test_name if opinfo.variant_test_name else "")
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64, "float64": torch.float64}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64, "float64": torch.float64,
+          "complex64": torch.complex64}
 
 
 def main(argv=None):

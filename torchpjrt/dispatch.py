@@ -538,7 +538,6 @@ def _view_reader(t):
     st = t.untyped_storage()._pjrt
     if storage.is_identity(t, st):
         return None
-    storage._check_dtype_view(t.dtype, st.dtype)
     return storage.read_fn(st.shape, tuple(t.shape), t.stride(), t.storage_offset(), dtypes.to_jax(t.dtype))
 
 

@@ -29,11 +29,16 @@ TORCH_TO_JAX = {
 JAX_TO_TORCH = {v: k for k, v in TORCH_TO_JAX.items()}
 
 
+_NO_XLA_TYPE = {torch.complex32: "XLA has no complex type with float16 parts; use torch.complex64"}
+
+
 def to_jax(dtype: torch.dtype):
     try:
         return TORCH_TO_JAX[dtype]
     except KeyError:
-        raise TypeError(f"torchpjrt: dtype {dtype} is not supported on the pjrt device") from None
+        why = _NO_XLA_TYPE.get(dtype)
+        raise TypeError(f"torchpjrt: dtype {dtype} is not supported on the pjrt device"
+                        + (f" ({why})" if why else "")) from None
 
 
 def to_torch(dtype) -> torch.dtype:
@@ -56,6 +61,7 @@ _HOST_BITCAST = {
 
 def numpy_from_cpu_tensor(t: torch.Tensor) -> np.ndarray:
     """A numpy array (of the matching JAX dtype) holding a CPU tensor's values."""
+    to_jax(t.dtype)  # a dtype the device cannot hold is refused here, by name
     t = t.detach()
     if t.is_conj():
         t = t.resolve_conj()

@@ -144,7 +144,6 @@ def _read_view(t, st):
         if hit is not None and hit[0] == st.version:
             return hit[1]
     base = st.value()
-    _check_dtype_view(t.dtype, st.dtype)
     out = call(_reader(st.shape, *geometry, dtypes.to_jax(t.dtype)), base)
     if type(out) is fusion.Pending:
         return out  # the read is fused into the pending graph; nothing to cache
@@ -177,7 +176,6 @@ def write(t: torch.Tensor, value, allow_overlap=False) -> None:
     if t.dtype == st.dtype and t.shape == st.shape and t.storage_offset() == 0 and t.is_contiguous():
         st.replace(_keep_mesh_placement(st.array, value))
         return
-    _check_dtype_view(t.dtype, st.dtype)
     if t.numel() == 0:
         return
     size, stride = tuple(t.shape), t.stride()
@@ -207,14 +205,6 @@ def _keep_mesh_placement(old, new):
     if type(sharding) is jax.sharding.NamedSharding and isinstance(new, jax.Array) and new.sharding != sharding:
         return jax.device_put(new, sharding)
     return new
-
-
-def _check_dtype_view(view_dtype, storage_dtype):
-    if view_dtype != storage_dtype and view_dtype.itemsize != storage_dtype.itemsize:
-        raise NotImplementedError(
-            f"torchpjrt: a {view_dtype} view of {storage_dtype} memory (different element size) "
-            "is not supported"
-        )
 
 
 @functools.lru_cache(maxsize=None)
@@ -279,12 +269,66 @@ def _padded_flat(base, need):
     return flat
 
 
+# ---- reinterpreting bytes ------------------------------------------------------------------
+# A view may have another dtype than its storage (`x.view(torch.uint8)`, `view_as_real`,
+# `.real`): it reads and writes the storage's bytes as its own dtype, as on CPU. XLA bitcasts
+# between types of one size; other sizes go through the bytes, and complex numbers through
+# their (real, imaginary) parts, which XLA cannot bitcast.
+
+
+def _to_bytes(flat):
+    """The bytes of 1-D array `flat` (little-endian, as the host's memory holds them)."""
+    if jnp.issubdtype(flat.dtype, jnp.complexfloating):
+        flat = jnp.stack([jnp.real(flat), jnp.imag(flat)], axis=-1).reshape(-1)
+    if flat.dtype == jnp.bool_:
+        return flat.astype(jnp.uint8)
+    if flat.dtype.itemsize == 1:
+        return lax.bitcast_convert_type(flat, jnp.uint8)
+    return lax.bitcast_convert_type(flat, jnp.uint8).reshape(-1)
+
+
+def _from_bytes(raw, dtype):
+    """1-D uint8 `raw` read as elements of `dtype` (trailing bytes short of an element are padded
+    with zeros)."""
+    dtype = jnp.dtype(dtype)
+    k = dtype.itemsize
+    if raw.shape[0] % k:
+        raw = jnp.pad(raw, (0, k - raw.shape[0] % k))
+    if dtype == jnp.bool_:
+        return raw != 0
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        parts = _from_bytes(raw, jnp.finfo(dtype).dtype).reshape(-1, 2)
+        return lax.complex(parts[:, 0], parts[:, 1])
+    if k == 1:
+        return lax.bitcast_convert_type(raw, dtype)
+    return lax.bitcast_convert_type(raw.reshape(-1, k), dtype)
+
+
+def reinterpret(flat, dtype):
+    """1-D array `flat`'s bytes as a 1-D array of `dtype`."""
+    dtype = jnp.dtype(dtype)
+    if flat.dtype == dtype:
+        return flat
+    return _from_bytes(_to_bytes(flat), dtype)
+
+
 def _view_dtype(x, dtype):
+    """`x` (any shape) read as `dtype` of the same element size."""
     if x.dtype == dtype:
         return x
     if x.dtype == jnp.bool_ or dtype == jnp.bool_:
         return x.astype(dtype)
+    if jnp.issubdtype(x.dtype, jnp.complexfloating) or jnp.issubdtype(dtype, jnp.complexfloating):
+        return reinterpret(x.reshape(-1), dtype).reshape(x.shape)
     return lax.bitcast_convert_type(x, dtype)
+
+
+def _in_view_elements(base, dtype):
+    """The storage array `base` as the flat elements a view of `dtype` indexes: itself when the
+    element sizes agree, else its bytes regrouped."""
+    if jnp.dtype(dtype).itemsize == base.dtype.itemsize:
+        return base
+    return reinterpret(base.reshape(-1), dtype)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -301,6 +345,7 @@ def read_fn(base_shape, size, stride, offset, dtype):
     def read(base):
         if numel == 0:
             return jnp.zeros(size, dtype)
+        base = _in_view_elements(base, dtype)
         if plan is None:
             flat = base.reshape(-1)
             return _view_dtype(flat[_flat_indices(size, stride, offset)], dtype)
@@ -324,21 +369,28 @@ def _writer(base_shape, size, stride, offset, storage_dtype):
     plan = _chunk_plan(size, stride)
     base_numel = math.prod(base_shape)
 
-    def write(base, value):
-        value = _view_dtype(value, storage_dtype)
+    def write_elements(flat, value):
+        """`flat` (1-D, of value's dtype) with the view's elements set to `value`."""
         if plan is None:
-            flat = base.reshape(-1).at[_flat_indices(size, stride, offset)].set(value)
-            return flat.reshape(base_shape)
+            return flat.at[_flat_indices(size, stride, offset)].set(value)
         order, chunk_shape, take = plan
         length = math.prod(chunk_shape)
-        flat = _padded_flat(base, offset + length)
+        n = flat.shape[0]
+        flat = _padded_flat(flat, offset + length)
         chunk = lax.dynamic_slice(flat, (offset,), (length,)).reshape(chunk_shape)
         v = value.reshape([size[d] for d in sorted(order)]) if order else value.reshape(())
         if order:
             v = jnp.transpose(v, np.argsort(np.argsort(order)))
         chunk = chunk.at[tuple(slice(0, k) for k in take) + (0,)].set(v)
-        flat = lax.dynamic_update_slice(flat, chunk.reshape(-1), (offset,))
-        return flat[:base_numel].reshape(base_shape)
+        return lax.dynamic_update_slice(flat, chunk.reshape(-1), (offset,))[:n]
+
+    def write(base, value):
+        if value.dtype.itemsize != jnp.dtype(storage_dtype).itemsize:
+            # a view of another element size: write its elements into the storage's bytes
+            new = write_elements(reinterpret(base.reshape(-1), value.dtype), value)
+            return reinterpret(new, storage_dtype)[:base_numel].reshape(base_shape)
+        value = _view_dtype(value, storage_dtype)
+        return write_elements(base.reshape(-1), value)[:base_numel].reshape(base_shape)
 
     return jax.jit(write)
 

@@ -29,12 +29,14 @@ def reshape_alias(self, size, stride):
 
 @lower(aten.view.dtype, view=True)
 def view_dtype(self, dtype):
+    from ..storage import _view_dtype, reinterpret
+
     target = to_jax(dtype)
-    if target.itemsize != self.dtype.itemsize:
-        raise NotImplementedError("torchpjrt: view to a dtype of another element size")
-    if target == jnp.bool_ or self.dtype == jnp.bool_:
-        return self.astype(target)
-    return lax.bitcast_convert_type(self, target)
+    if target.itemsize == self.dtype.itemsize:
+        return _view_dtype(self, target)
+    # another element size: each row's bytes regrouped (PyTorch checked that the last dim is
+    # contiguous and that its bytes divide)
+    return reinterpret(self.reshape(-1), target).reshape(self.shape[:-1] + (-1,))
 
 
 @lower(aten.alias.default, aten.detach.default, aten.lift_fresh.default, view=True)
