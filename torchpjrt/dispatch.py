@@ -178,6 +178,12 @@ def run_meta(op, sig, vals):
         mkwargs["device"] = "meta"
     try:
         with torch._C._DisableTorchDispatch(), torch.no_grad():
+            if op._schema.name.endswith("_"):
+                with warnings.catch_warnings():
+                    # torch._refs' in-place meta kernels resize their own target when the result
+                    # is larger, with out='s warning, before the broadcast check refuses it
+                    warnings.filterwarnings("ignore", "An output with one or more elements was resized")
+                    return op(*margs, **mkwargs)
             return op(*margs, **mkwargs)
     except NotImplementedError as e:
         raise _NoMeta() from e
@@ -281,9 +287,12 @@ class LoweredKernel:
         self._index_lists = frozenset(i for i, a in enumerate(args) if str(a.type) == "List[Optional[Tensor]]")
         # a factory (arange, eye, linspace, ...): its output is a new allocation
         self._factory = "device" in self.sig.names and self.n_inputs == self.sig.n
+        self._argument_check = _ARGUMENT_CHECKS.get(op)
 
     def compute(self, vals):
         """The lowering's outputs (a tuple of jax arrays) for normalized argument values."""
+        if self._argument_check is not None:
+            self._argument_check(vals)
         key = []
         dyn = []
         static_positions = self._static_positions
@@ -418,6 +427,28 @@ class LoweredKernel:
         self.cache[key] = fn
         stats["compiled"] += 1
         return fn
+
+
+def _check_advanced_index(vals):
+    """CPU's host-side checks of advanced indices, made before PyTorch's meta kernel (which
+    raises a RuntimeError where the CPU raises an IndexError)."""
+    indices = [i for i in vals[1] if i is not None]
+    if any(i.dtype == torch.uint8 for i in indices):
+        warnings.warn("indexing with dtype torch.uint8 is now deprecated, please use a dtype torch.bool instead.",
+                      UserWarning, stacklevel=5)
+    if any(i.dtype in (torch.bool, torch.uint8) for i in indices):
+        return
+    shapes = [tuple(i.shape) for i in indices]
+    try:
+        np.broadcast_shapes(*shapes)
+    except ValueError:
+        raise IndexError("shape mismatch: indexing tensors could not be broadcast together with shapes "
+                         + ", ".join(str(list(s)) for s in shapes)) from None
+
+
+_ARGUMENT_CHECKS = {aten.index.Tensor: _check_advanced_index, aten.index_put.default: _check_advanced_index,
+                    aten.index_put_.default: _check_advanced_index,
+                    aten._index_put_impl_.default: _check_advanced_index}
 
 
 def _check_inplace_cast(functional, vals):
@@ -637,10 +668,22 @@ def make_inplace_kernel(op, functional, lowering):
         vals = sig.values(args, kwargs)
         out = k.compute(vals)[0]
         self = vals[0]
+        if tuple(out.shape) != tuple(self.shape):
+            _check_inplace_broadcast(tuple(out.shape), tuple(self.shape))
         storage.write(self, out, allow_overlap=allow_overlap)
         return self
 
     return kernel
+
+
+def _check_inplace_broadcast(result_shape, self_shape):
+    """An in-place op cannot grow its target: `small.remainder_(large)` raises as on CPU."""
+    try:
+        if np.broadcast_shapes(result_shape, self_shape) == self_shape:
+            return
+    except ValueError:
+        pass
+    raise RuntimeError(f"output with shape {list(self_shape)} doesn't match the broadcast shape {list(result_shape)}")
 
 
 # CPU's fill_ and index_put_ write into tensors whose elements overlap (an expanded tensor);
@@ -697,9 +740,15 @@ def _bool_out_dtype(name, result, out):
         raise RuntimeError(f"{name} only supports bool tensor for result, got: {_dtype_name(out)}")
 
 
+def _long_out_dtype(name, result, out):
+    if out != torch.int64:
+        raise RuntimeError(f"{name}: Expected out tensor to have scalar type Long but got scalar type{_dtype_name(out)}")
+
+
 # out= overloads whose CPU kernels require the out tensor's dtype (others cast the result
 # into it when torch.can_cast allows, checked by write_out)
 _OUT_DTYPE_CHECKS = {
+    "nonzero": _long_out_dtype,
     **dict.fromkeys(("neg", "bitwise_not", "isnan", "isinf", "conj_physical", "round", "nan_to_num", "zero",
                      "clone", "sum", "prod", "amax", "amin", "index_select"), _exact_out_dtype),
     "all": _bool_out_dtype,
@@ -912,16 +961,32 @@ def _via_functional(op, functional, args, kwargs):
     stats["via_functional"] += 1
     if targets and targets[0] is vals[0] and not sig.kwarg_only[0]:
         for t, r in zip(targets, results):
-            write_out(t, storage.value_of(r)) if t.shape != r.shape else storage.write(t, storage.value_of(r))
+            if t.shape != r.shape:  # an in-place op never resizes its target
+                _check_inplace_broadcast(tuple(r.shape), tuple(t.shape))
+            storage.write(t, storage.value_of(r))
         return vals[0]
     for t, r in zip(targets, results):
         write_out(t, storage.value_of(r))
     return targets[0] if len(targets) == 1 else tuple(targets)
 
 
+# layouts and tensor kinds pjrt cannot hold: the ops that make them say so by name
+_UNSUPPORTED_KINDS = (
+    (("quantize_per", "dequantize", "_make_per_", "fake_quantize", "int_repr", "q_"),
+     "quantized tensors are not supported on the pjrt device (quantize on the CPU, or keep "
+     "integer codes and scales as plain tensors)"),
+    (("_to_sparse", "to_sparse", "sparse_", "_sparse", "_coalesce", "_to_dense", "to_dense"),
+     "sparse layouts (COO, CSR, CSC, BSR, BSC) are not supported on the pjrt device: only the strided layout is"),
+)
+
+
 def _unsupported(op, args, kwargs):
     if cpu_fallback_enabled():
         return cpu_fallback(op, args, kwargs)
+    name = op._schema.name.split("::")[1]
+    for prefixes, why in _UNSUPPORTED_KINDS:
+        if name.startswith(prefixes):
+            raise NotImplementedError(f"torchpjrt: {why} ('{op._schema.name}.{op._overloadname}')")
     raise NotImplementedError(
         f"torchpjrt: the aten operator '{op._schema.name}.{op._overloadname}' "
         f"({op._schema}) has no lowering for the pjrt device. Set TORCHPJRT_CPU_FALLBACK=1 to run "
