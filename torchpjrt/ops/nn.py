@@ -1074,11 +1074,16 @@ def _aa_taps(filter_fn, interp_size):
 
 def _interpolate(x, output_size, align_corners, scales, taps_fn):
     n = len(output_size)
-    xf = _up(x)
+    xf = x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.integer) else _up(x)
     t = _opmath(xf)
     sizes = x.shape[-n:]
     taps = [taps_fn(sizes[i], output_size[i], align_corners, scales[i], t) for i in range(n)]
-    return _resample(xf, n, taps)
+    out = _resample(xf, n, taps)
+    if jnp.issubdtype(x.dtype, jnp.integer):
+        # integer images (uint8): rounded and saturated, never wrapped around (bicubic overshoots)
+        info = jnp.iinfo(x.dtype)
+        out = jnp.clip(jnp.round(out), info.min, info.max)
+    return out
 
 
 def _transpose(forward, grad_output, input_size):
