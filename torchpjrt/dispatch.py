@@ -269,8 +269,13 @@ class LoweredKernel:
     functional op's and only its first `n_inputs` arguments are passed to it.
     """
 
-    def __init__(self, op: OpOverload, lowering: Lowering, n_inputs=None, inplace_of=None):
+    def __init__(self, op: OpOverload, lowering: Lowering, n_inputs=None, inplace_of=None, lays_out=False):
         self.op = op
+        # new results take the strides PyTorch's meta kernel gives them (channels_last stays
+        # channels_last): key -> per output, strides or None for row-major; only for kernels
+        # whose results become new tensors
+        self.lays_out = lays_out
+        self.layouts = {}
         self.sig = signature(op)
         # in-place form of a pointwise op: its result type must cast to the target's (as CPU's
         # TensorIterator checks); other in-place ops run in the target's dtype (cumsum_)
@@ -291,6 +296,10 @@ class LoweredKernel:
 
     def compute(self, vals):
         """The lowering's outputs (a tuple of jax arrays) for normalized argument values."""
+        return self.compute_keyed(vals)[0]
+
+    def compute_keyed(self, vals):
+        """(outputs, the signature key they were computed under)."""
         if self._argument_check is not None:
             self._argument_check(vals)
         key = []
@@ -373,7 +382,11 @@ class LoweredKernel:
             # the program's last output is the check's vector: read at the next synchronization
             device_checks.record(outs[-1], self.lowering.check, self.op)
             outs = outs[:-1]
-        return outs
+        return outs, key
+
+    def strides_for(self, key):
+        """The strides of each new result for signature `key` (None: row-major), or None."""
+        return self.layouts.get(key) if self.layouts else None
 
     def _dtype_error(self, e, vals):
         """A JAX lowering refusing a dtype (jnp.invert of a float) as CPU says it:
@@ -422,11 +435,32 @@ class LoweredKernel:
                 raise
         if self._factory and meta_out is not None:
             _check_allocation(meta_out)
+        if self.lays_out and meta_out is not None:
+            fix = _LAYOUT_FIXES.get(self.op)
+            strides = [m.stride() if storage.dense_order(m.shape, m.stride()) is not None else None
+                       for m in _flatten_tensors(fix(vals, meta_out) if fix is not None else meta_out)]
+            if any(strides):
+                self.layouts[key] = strides
         fn = _compile(self.lowering, self.sig, vals[: self.n_inputs], self._static_positions, expected,
                       identity=None if self.lowering.user_code else (self.op.name(), self.op._overloadname, key))
         self.cache[key] = fn
         stats["compiled"] += 1
         return fn
+
+
+def _conv_layout(vals, meta_out):
+    """CPU's convolutions give a channels_last result when the input or the weight is
+    channels_last (PyTorch's meta kernel says row-major)."""
+    x, w = vals[0], vals[1]
+    for fmt in (torch.channels_last, torch.channels_last_3d):
+        if meta_out.dim() == (4 if fmt is torch.channels_last else 5) and any(
+                t.dim() == meta_out.dim() and not t.is_contiguous() and t.is_contiguous(memory_format=fmt)
+                for t in (x, w)):
+            return meta_out.contiguous(memory_format=fmt)
+    return meta_out
+
+
+_LAYOUT_FIXES = {aten.convolution.default: _conv_layout}
 
 
 def _check_advanced_index(vals):
@@ -576,8 +610,9 @@ def _returns_list(schema):
     return len(schema.returns) == 1 and str(schema.returns[0].type) == "List[Tensor]"
 
 
-def _wrap_outputs(schema, outs, vals, sig, mutated_written=()):
-    """Tensors for the schema's returns: new tensors, or the written arguments they alias."""
+def _wrap_outputs(schema, outs, vals, sig, mutated_written=(), strides=None):
+    """Tensors for the schema's returns: new tensors (laid out with `strides`, one entry per
+    new tensor, where given), or the written arguments they alias."""
     rets = schema.returns
     if not rets:
         return None
@@ -587,6 +622,7 @@ def _wrap_outputs(schema, outs, vals, sig, mutated_written=()):
         ]
     results = []
     it = iter(outs)
+    laid_out = iter(strides) if strides is not None else None
     for r in rets:
         ai = r.alias_info
         if ai is not None and ai.is_write:
@@ -597,14 +633,20 @@ def _wrap_outputs(schema, outs, vals, sig, mutated_written=()):
                     break
         else:
             o = next(it)
-            results.append(storage.wrap(o) if hasattr(o, "shape") else o)
+            stride = next(laid_out, None) if laid_out is not None and hasattr(o, "shape") else None
+            if stride is not None:
+                results.append(storage.wrap_laid_out(o, None, stride))
+            else:
+                results.append(storage.wrap(o) if hasattr(o, "shape") else o)
     if len(results) == 1:
         return results[0]
     return tuple(results)
 
 
 def make_functional_kernel(op, lowering):
-    k = LoweredKernel(op, lowering)
+    # results that alias written arguments keep those arguments' geometry
+    k = LoweredKernel(op, lowering, lays_out=not any(r.alias_info is not None and r.alias_info.is_write
+                                                     for r in op._schema.returns))
     sig = k.sig
     schema = op._schema
     mutates = [sig.names.index(m) for m in lowering.mutates]
@@ -616,13 +658,18 @@ def make_functional_kernel(op, lowering):
 
             def kernel(*args, **kwargs):
                 vals = sig.values(args, kwargs)
-                return storage.wrap(k.compute(vals)[0])
+                outs, key = k.compute_keyed(vals)
+                strides = k.strides_for(key)
+                if strides is None:
+                    return storage.wrap(outs[0])
+                return storage.wrap_laid_out(outs[0], None, strides[0])
 
             return kernel
 
         def kernel(*args, **kwargs):
             vals = sig.values(args, kwargs)
-            return _wrap_outputs(schema, k.compute(vals), vals, sig)
+            outs, key = k.compute_keyed(vals)
+            return _wrap_outputs(schema, outs, vals, sig, strides=k.strides_for(key))
 
         return kernel
 
@@ -630,7 +677,7 @@ def make_functional_kernel(op, lowering):
 
     def mutating_kernel(*args, **kwargs):
         vals = sig.values(args, kwargs)
-        outs = k.compute(vals)
+        outs, key = k.compute_keyed(vals)
         regular, new_values = outs[:n_rets], outs[n_rets:]
         for pos, new in zip(mutates, new_values):
             target = vals[pos]
@@ -640,7 +687,7 @@ def make_functional_kernel(op, lowering):
                         storage.write(t, nv)
             elif target is not None:
                 storage.write(target, new, allow_overlap=allow_overlap)
-        return _wrap_outputs(schema, regular, vals, sig)
+        return _wrap_outputs(schema, regular, vals, sig, strides=k.strides_for(key))
 
     return mutating_kernel
 
@@ -1096,11 +1143,18 @@ def _check_allocation(meta_out):
         storage.check_allocation(nbytes)
 
 
+def _format_strides(size, memory_format):
+    """The strides PyTorch gives `size` in `memory_format` (channels_last, channels_last_3d)."""
+    return torch.empty(size, memory_format=memory_format, device="meta").stride()
+
+
 def k_empty(size, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
     _check_device(device)
     size = tuple(int(s) for s in size)
     if any(s < 0 for s in size):
         raise RuntimeError(f"Trying to create tensor with negative dimension {min(size)}: {list(size)}")
+    if memory_format not in (None, torch.contiguous_format, torch.preserve_format):
+        return k_empty_strided(size, _format_strides(size, memory_format), dtype=dtype, device=device)
     return storage.empty(size, dtype or torch.get_default_dtype())
 
 
@@ -1171,21 +1225,36 @@ def k_to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, no
               memory_format=None):
     dtype = dtype or self.dtype
     target = torch.device(device) if device is not None else self.device
+    stride = _copy_strides(self, memory_format)
     if target.type == "pjrt":
         _check_device(target)
         value = storage.read(self) if self.device.type == "pjrt" else host_to_device(self)
         jd = dtypes.to_jax(dtype)
         if value.dtype != jd:
             value = storage._cast(value, jd)
-        return storage.wrap(value, dtype)
+        return storage.wrap(value, dtype) if stride is None else storage.wrap_laid_out(value, dtype, stride)
     if target.type == "cpu":
         t = to_cpu(self)
         if dtype != t.dtype:
             t = t.to(dtype)
+        if stride is not None:
+            t = torch.empty_strided(t.shape, stride, dtype=t.dtype).copy_(t)
         if pin_memory:
             t = t.pin_memory()
         return t
     raise RuntimeError(f"torchpjrt: cannot copy a pjrt tensor to {target} directly; go through .cpu()")
+
+
+def _copy_strides(self, memory_format):
+    """The strides of a copy of `self` in `memory_format` (None: row-major), as PyTorch's
+    empty_like: preserve_format keeps a dense tensor's strides (channels_last, a transpose)."""
+    if memory_format in (None, torch.preserve_format):
+        if self.is_contiguous() or storage.dense_order(self.shape, self.stride()) is None:
+            return None
+        return self.stride()
+    if memory_format == torch.contiguous_format:
+        return None
+    return _format_strides(tuple(self.shape), memory_format)
 
 
 def k_local_scalar_dense(self):
@@ -1219,6 +1288,10 @@ def k_resize_(self, size, *, memory_format=None):
     if any(int(s) < 0 for s in size):
         raise RuntimeError(f"Trying to create tensor with negative dimension {min(size)}: {list(size)}")
     storage.resize(self, size)
+    if memory_format not in (None, torch.contiguous_format, torch.preserve_format):
+        # the storage keeps its elements; the tensor takes the format's strides, as on CPU
+        storage.set_geometry(self, tuple(self.shape), _format_strides(tuple(self.shape), memory_format),
+                             self.storage_offset())
     return self
 
 

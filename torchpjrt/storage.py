@@ -409,6 +409,40 @@ def wrap(array, dtype: torch.dtype = None) -> torch.Tensor:
     return t
 
 
+def dense_order(size, stride):
+    """For strides that lay `size` out densely in another dim order than row-major (channels_last,
+    a transpose's clone): the dims from outermost to innermost in memory; None for row-major
+    strides and for strides that are not a dense permutation (those are stored row-major)."""
+    size, stride = tuple(size), tuple(stride)
+    if stride == contiguous_strides(size) or 0 in size:
+        return None
+    order = tuple(sorted(range(len(size)), key=lambda d: -stride[d]))
+    expected = 1
+    for d in reversed(order):
+        if size[d] != 1 and stride[d] != expected:
+            return None
+        expected *= size[d]
+    return order
+
+
+@functools.lru_cache(maxsize=None)
+def _to_order_fn(order):
+    return jax.jit(lambda x: jnp.transpose(x, order))
+
+
+def wrap_laid_out(array, dtype: torch.dtype, stride) -> torch.Tensor:
+    """A new pjrt tensor with `array`'s values and the given strides (as PyTorch's kernels lay out
+    their results: channels_last in, channels_last out). The storage holds the elements in memory
+    order; strides that are not a dense permutation give a row-major tensor."""
+    order = dense_order(array.shape, stride)
+    if order is None:
+        return wrap(array, dtype)
+    size = tuple(array.shape)
+    t = wrap(call(_to_order_fn(order), array), dtype)
+    set_geometry(t, size, tuple(stride), 0)
+    return t
+
+
 def empty(shape, dtype: torch.dtype) -> torch.Tensor:
     """A new pjrt tensor whose storage is not yet materialized."""
     shape = tuple(shape)
