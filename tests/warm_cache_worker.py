@@ -24,7 +24,7 @@ OPS = [
 ]
 
 families = set()
-_compute = dispatch.LoweredKernel.compute
+_compute = dispatch.LoweredKernel.compute_keyed  # every eager kernel computes through it
 
 
 def _recording_compute(self, vals):
@@ -32,7 +32,7 @@ def _recording_compute(self, vals):
     return _compute(self, vals)
 
 
-dispatch.LoweredKernel.compute = _recording_compute
+dispatch.LoweredKernel.compute_keyed = _recording_compute
 
 
 def programs(device):
@@ -41,6 +41,8 @@ def programs(device):
     out = {}
     a = torch.randn(4, 4).to(device)
     out["foreach"] = [t.cpu().tolist() for t in torch._foreach_mul([a, a + 1], 2.0)]
+    torch._assert_async(a.abs().sum() > 0, "a is not all zeros")
+    out["assert_async"] = a.abs().sum().item()
     model = torch.nn.Linear(4, 2).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     scaler = torch.amp.GradScaler(device, init_scale=256.0)
