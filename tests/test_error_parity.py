@@ -50,6 +50,10 @@ def test_quantized_and_sparse_tensors_are_clear_errors():
     x = torch.ones(2, 3, device="pjrt")
     with pytest.raises(NotImplementedError, match="quantized tensors are not supported on the pjrt device"):
         torch.quantize_per_tensor(x, 0.1, 0, torch.quint8)
+    with pytest.raises(NotImplementedError, match="quantized tensors are not supported on the pjrt device"):
+        torch._empty_affine_quantized([2, 3], scale=0.1, zero_point=0, dtype=torch.quint8, device="pjrt")
+    with pytest.raises(NotImplementedError, match="quantized tensors are not supported on the pjrt device"):
+        torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.quint8).to("pjrt")
     with pytest.raises(NotImplementedError, match="sparse layouts .* are not supported on the pjrt device"):
         x.to_sparse()
     with pytest.raises(NotImplementedError, match="sparse layouts .* are not supported on the pjrt device"):

@@ -1027,6 +1027,10 @@ _UNSUPPORTED_KINDS = (
 )
 
 
+def _quantized_unsupported(keyset, op, *args, **kwargs):
+    raise NotImplementedError(f"torchpjrt: {_UNSUPPORTED_KINDS[0][1]} ('{op._schema.name}.{op._overloadname}')")
+
+
 def _unsupported(op, args, kwargs):
     if cpu_fallback_enabled():
         return cpu_fallback(op, args, kwargs)
@@ -1432,4 +1436,8 @@ def register():
     fb = torch.library.Library("_", "IMPL")
     _libs.append(fb)
     fb.fallback(fallback, dispatch_key="PrivateUse1", with_keyset=True)
+    # a quantized tensor on pjrt (torch._empty_affine_quantized(..., device="pjrt"), what
+    # quantize_per_tensor makes) reaches the QuantizedPrivateUse1 key: refused by name, instead of
+    # the dispatcher's list of backends
+    fb.fallback(_quantized_unsupported, dispatch_key="QuantizedPrivateUse1", with_keyset=True)
 
