@@ -292,7 +292,7 @@ class LoweredKernel:
         self._index_lists = frozenset(i for i, a in enumerate(args) if str(a.type) == "List[Optional[Tensor]]")
         # a factory (arange, eye, linspace, ...): its output is a new allocation
         self._factory = "device" in self.sig.names and self.n_inputs == self.sig.n
-        self._argument_check = _ARGUMENT_CHECKS.get(op)
+        self._call_check, self._signature_check = _ARGUMENT_CHECKS.get(op, (None, None))
 
     def compute(self, vals):
         """The lowering's outputs (a tuple of jax arrays) for normalized argument values."""
@@ -300,8 +300,8 @@ class LoweredKernel:
 
     def compute_keyed(self, vals):
         """(outputs, the signature key they were computed under)."""
-        if self._argument_check is not None:
-            self._argument_check(vals)
+        if self._call_check is not None:
+            self._call_check(vals)
         key = []
         dyn = []
         static_positions = self._static_positions
@@ -421,6 +421,8 @@ class LoweredKernel:
         storage.default_device()  # picks the platform (TORCHPJRT_PLATFORM) before compiling
         if self.checked_functional is not None:
             _check_inplace_cast(self.checked_functional, vals)
+        if self._signature_check is not None:
+            self._signature_check(vals)
         expected = meta_out = None
         try:
             meta_out = run_meta(self.op, self.sig, vals)
@@ -463,13 +465,20 @@ def _conv_layout(vals, meta_out):
 _LAYOUT_FIXES = {aten.convolution.default: _conv_layout}
 
 
+def _warn_byte_mask(vals):
+    """CPU's deprecation warning for uint8 masks, at every call as CPU gives it."""
+    for i in vals[1]:
+        if i is not None and i.dtype == torch.uint8:
+            warnings.warn("indexing with dtype torch.uint8 is now deprecated, please use a dtype torch.bool instead.",
+                          UserWarning, stacklevel=5)
+            return
+
+
 def _check_advanced_index(vals):
-    """CPU's host-side checks of advanced indices, made before PyTorch's meta kernel (which
-    raises a RuntimeError where the CPU raises an IndexError)."""
+    """CPU's host-side check of advanced indices, made before PyTorch's meta kernel (which raises
+    a RuntimeError where the CPU raises an IndexError); once per signature: a signature that fails
+    is never cached, so it fails every time."""
     indices = [i for i in vals[1] if i is not None]
-    if any(i.dtype == torch.uint8 for i in indices):
-        warnings.warn("indexing with dtype torch.uint8 is now deprecated, please use a dtype torch.bool instead.",
-                      UserWarning, stacklevel=5)
     if any(i.dtype in (torch.bool, torch.uint8) for i in indices):
         return
     shapes = [tuple(i.shape) for i in indices]
@@ -480,9 +489,11 @@ def _check_advanced_index(vals):
                          + ", ".join(str(list(s)) for s in shapes)) from None
 
 
-_ARGUMENT_CHECKS = {aten.index.Tensor: _check_advanced_index, aten.index_put.default: _check_advanced_index,
-                    aten.index_put_.default: _check_advanced_index,
-                    aten._index_put_impl_.default: _check_advanced_index}
+# (check at every call, check when a signature is compiled) for ops whose CPU kernels check
+# their arguments on the host
+_ARGUMENT_CHECKS = dict.fromkeys(
+    (aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default),
+    (_warn_byte_mask, _check_advanced_index))
 
 
 def _check_inplace_cast(functional, vals):
