@@ -9,6 +9,7 @@ already gave JAX (jax_compilation_cache_dir) is kept.
 """
 
 import os
+import tempfile
 from collections import Counter
 
 import jax
@@ -28,9 +29,45 @@ def directory():
     return _directory
 
 
+def _write_entries_atomically() -> None:
+    """JAX's unbounded cache writes an entry in place (no lock without a size limit), so another
+    process or thread reading that key meanwhile, as ranks compiling the same program do, can
+    load a half-written executable and crash the interpreter. Entries are written to a temporary
+    file and renamed into place instead: a reader sees no entry or the whole of it."""
+    from jax._src import lru_cache
+
+    original = lru_cache.LRUCache.put
+    if getattr(original, "_atomic", False):
+        return
+
+    def put(self, key, value):
+        if self.eviction_enabled or not isinstance(self.path, type(lru_cache.pathlib.Path("."))) \
+                or not os.path.isdir(str(self.path)):
+            return original(self, key, value)  # locked (a size limit) or not a local directory
+        if not key:
+            raise ValueError("key cannot be empty")
+        final = os.path.join(str(self.path), f"{key}{lru_cache._CACHE_SUFFIX}")
+        if os.path.exists(final):
+            return
+        fd, tmp = tempfile.mkstemp(dir=str(self.path), prefix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(value)
+            os.chmod(tmp, 0o644)  # what JAX's own write gives (mkstemp makes it private)
+            os.replace(tmp, final)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    put._atomic = True
+    lru_cache.LRUCache.put = put
+
+
 def configure() -> None:
     global _directory
     jax.monitoring.register_event_listener(_on_event)
+    _write_entries_atomically()
     already = jax.config.jax_compilation_cache_dir
     requested = os.environ.get("TORCHPJRT_CACHE_DIR")
     if requested is not None and requested.strip() in _DISABLED:
