@@ -164,6 +164,7 @@ def _train_rope(device, compiled):
     return losses, [p.detach().cpu() for p in model.parameters()]
 
 
+@pytest.mark.slow  # five training steps against the CPU, per mode
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_rope_attention_with_view_as_complex_trains_like_cpu(compiled, each_eager_mode):
     if compiled and each_eager_mode != "strict":

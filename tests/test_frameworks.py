@@ -172,6 +172,7 @@ def _lora_run(device, tmp_path):
     return losses, logits, reloaded_logits, merged_logits, adapter
 
 
+@pytest.mark.slow  # two LLaMA fine-tunes
 def test_peft_lora_trains_saves_loads_and_merges_like_cpu(tmp_path):
     cpu = _lora_run("cpu", tmp_path)
     pjrt = _lora_run("pjrt", tmp_path)

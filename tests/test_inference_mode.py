@@ -91,6 +91,7 @@ def test_compiled_model_under_inference_mode():
     torch.testing.assert_close(got.cpu(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # a real transformers model, per eager mode
 def test_transformers_generate_under_inference_mode():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)

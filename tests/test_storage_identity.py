@@ -96,6 +96,7 @@ def _tiny_gpt2(seed):
     return transformers.GPT2LMHeadModel(config).eval()
 
 
+@pytest.mark.slow  # a real transformers model, per eager mode
 def test_transformers_save_pretrained_from_pjrt_round_trips(tmp_path):
     transformers = pytest.importorskip("transformers")
     model = _tiny_gpt2(0).to("pjrt")
@@ -113,6 +114,7 @@ def test_transformers_save_pretrained_from_pjrt_round_trips(tmp_path):
         assert torch.equal(fresh(ids.to("pjrt")).logits.cpu(), expected)
 
 
+@pytest.mark.slow  # accelerate, per eager mode
 def test_accelerate_save_model_keeps_equal_shaped_layers(tmp_path):
     """accelerate dropped all but one of several equal-shaped tensors ("Removed shared tensor")."""
     accelerate = pytest.importorskip("accelerate")
