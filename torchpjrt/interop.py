@@ -46,9 +46,9 @@ def from_jax(array) -> torch.Tensor:
     if not isinstance(array, jax.Array):
         raise TypeError(f"torchpjrt.from_jax: expected a jax.Array, got {type(array).__name__}")
     dtype = dtypes.to_torch(array.dtype)
-    from .device import jax_device, jax_devices
+    if not _is_pjrt_array(array):
+        from .device import jax_device
 
-    if not array.devices() <= set(jax_devices()):
         array = jax.device_put(array, jax_device())
     return storage.wrap(array, dtype)
 
