@@ -20,6 +20,10 @@ from . import compile_cache as _compile_cache  # noqa: E402
 
 _compile_cache.configure()
 
+from . import live_programs as _live_programs  # noqa: E402
+
+_live_programs.install()  # loaded programs are let go before the process runs out of mappings
+
 from . import dispatch as _dispatch  # noqa: E402
 
 _dispatch.register()

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch._ops import OpOverload
 
-from . import device_checks, dtypes, eager, fusion, kernel_cache, random_state, storage
+from . import device_checks, dtypes, eager, fusion, kernel_cache, live_programs, random_state, storage
 from .ops import TABLE, Lowering
 
 aten = torch.ops.aten
@@ -364,6 +364,7 @@ class LoweredKernel:
         key = tuple(key)
         fn = self.cache.get(key)
         if fn is None:
+            live_programs.release_if_due()
             fn = self._build(vals, key)
         stats["lowered"] += 1
         try:

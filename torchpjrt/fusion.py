@@ -22,6 +22,8 @@ import jax
 import numpy as np
 import torch
 
+from . import live_programs
+
 stats = Counter()  # shown by torchpjrt.eager_stats()
 flush_reasons = Counter()
 
@@ -273,6 +275,7 @@ def flush(reason: str) -> None:
         key = (tuple(g.nodes), tuple(g.input_slots), out_slots)
         replay = _compiled.get(key)
         if replay is None:
+            live_programs.release_if_due()
             stats["cache_misses"] += 1
             replay = _compiled[key] = _make_replay(g.nodes, g.input_slots, out_slots, g.n_slots)
             if len(_compiled) > cache_size:

@@ -30,7 +30,7 @@ import jaxlib
 import torch
 from jax._src import config as jax_config  # a per-compile override of JAX's cache-write threshold
 
-from . import storage
+from . import live_programs, storage
 
 stats = Counter()  # kernel_cache_hits, kernel_cache_misses, kernel_cache_fallbacks, kernel_cache_unstored
 _UNSET = object()
@@ -115,7 +115,7 @@ class CachedKernel:
     `traceable` is the jitted function, for callers that trace it into a larger program (fused
     eager mode)."""
 
-    __slots__ = ("traceable", "_identity", "_call")
+    __slots__ = ("traceable", "_identity", "_call", "__weakref__")
 
     def __init__(self, jitted, identity):
         self.traceable = jitted
@@ -125,10 +125,13 @@ class CachedKernel:
     def __call__(self, *args):
         call = self._call
         if call is None:
+            live_programs.release_if_due()
             with _loading:  # one load per kernel, and one loader at a time
                 call = self._call
                 if call is None:
                     call = self._call = self._first_call(args)
+                    if call is not self.traceable:
+                        live_programs.hold(self)
         if call is self.traceable:
             return call(*args)
         try:
@@ -138,6 +141,10 @@ class CachedKernel:
             stats["kernel_cache_fallbacks"] += 1
             self._call = self.traceable
             return self.traceable(*args)
+
+    def release(self):
+        """Drops the loaded executable (live_programs): the next call loads it again."""
+        self._call = None
 
     def _first_call(self, args):
         root = directory()
@@ -158,6 +165,7 @@ class CachedKernel:
             client = storage.default_device().client
             device = next(d for d in client.devices() if d.id == device_id)
             compiled = deserialize_and_load(payload, in_tree, out_tree, backend=client, execution_devices=[device])
+            live_programs.note_new_programs()
             stats["kernel_cache_hits"] += 1
             return compiled
         except FileNotFoundError:

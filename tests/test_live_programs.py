@@ -1,0 +1,70 @@
+"""A process that meets many shapes lets go of loaded programs before it runs out of memory
+mappings (each XLA:CPU executable holds some; Linux caps them per process), and the programs
+it still uses come back with the same results."""
+
+import sys
+
+import pytest
+import torch
+
+from torchpjrt import live_programs
+
+pytestmark = [
+    pytest.mark.usefixtures("each_eager_mode"),
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the mapping cap is Linux's"),
+]
+
+
+def _mappings():
+    with open("/proc/self/maps", "rb") as f:
+        return f.read().count(b"\n")
+
+
+def _step(n):
+    x = torch.arange(n, dtype=torch.float32)
+    d = x.to("pjrt")
+    return ((d * 2 + 1).sum() / n).cpu(), ((x * 2 + 1).sum() / n)
+
+
+def test_many_shapes_release_programs_and_keep_results(monkeypatch):
+    base = _mappings()
+    # a cap just above what the process holds now, checked often: a few hundred new programs
+    # must trigger releases, as tens of thousands do against the real cap
+    monkeypatch.setattr(live_programs, "_limit", base + 300)
+    monkeypatch.setattr(live_programs, "CHECK_EVERY", 8)
+    before = live_programs.stats["releases"]
+    peak = 0
+    for n in range(1, 61):
+        got, want = _step(n)
+        assert torch.equal(got, want), n
+        if n % 5 == 0:
+            peak = max(peak, _mappings())
+    assert live_programs.stats["releases"] > before
+    # checked every 8 programs: the count can pass the cap by those programs' mappings
+    assert peak < base + 300 + 8 * 8
+    # kernels used before a release still run after it (reloaded or recompiled)
+    for n in (1, 7, 123):
+        got, want = _step(n)
+        assert torch.equal(got, want)
+
+
+def test_no_release_below_the_cap(monkeypatch):
+    monkeypatch.setattr(live_programs, "CHECK_EVERY", 1)
+    before = live_programs.stats["releases"]
+    for n in range(1, 20):
+        _step(n)
+    assert live_programs.stats["releases"] == before
+    assert live_programs._map_limit() == int(int(open("/proc/sys/vm/max_map_count").read()) * live_programs.RELEASE_AT)
+
+
+def test_released_kernels_reload_from_the_kernel_cache(monkeypatch, each_eager_mode):
+    from torchpjrt import kernel_cache
+
+    _step(5)  # compiled (or loaded) and stored
+    monkeypatch.setattr(live_programs, "_due", True)
+    live_programs.release_if_due()
+    hits = kernel_cache.stats["kernel_cache_hits"]
+    got, want = _step(5)
+    assert torch.equal(got, want)
+    if kernel_cache.directory() is not None and each_eager_mode != "fused":  # fused: one jitted graph
+        assert kernel_cache.stats["kernel_cache_hits"] > hits
