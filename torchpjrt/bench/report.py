@@ -11,10 +11,10 @@ from . import display
 from .measure import relative_difference
 
 CSV_COLUMNS = (
-    "target", "status", "reason", "device_name", "step_median_ms", "step_p10_ms", "step_p90_ms",
+    "target", "machine", "status", "reason", "device_name", "step_median_ms", "step_p10_ms", "step_p90_ms",
     "samples_per_s", "tokens_per_s", "time_to_first_step_s", "peak_memory_bytes", "peak_memory_source",
-    "energy_j_per_step", "energy_source", "cost_per_million_samples", "currency", "price_basis",
-    "final_loss", "loss_rel_diff", "agrees",
+    "energy_j_per_step", "energy_source", "threads", "busy_machine", "price_per_hour", "cost_per_million_samples",
+    "currency", "price_basis", "time_to_train_s", "cost_to_train", "final_loss", "loss_rel_diff", "agrees",
 )
 
 
@@ -46,9 +46,11 @@ def write_csv(result: dict, path: str):
 def _csv_row(row: dict, currency: str | None) -> dict:
     step = row["step_time_s"] or {}
     ms = {f"step_{k}_ms": step[k] * 1e3 for k in ("median", "p10", "p90") if k in step}
+    threads = (row.get("threads") or {}).get("torch_intra_op")
     return {
-        "target": row["name"], "currency": currency, **ms,
-        **{k: row[k] for k in CSV_COLUMNS if k in row and k != "name"},
+        **{k: row[k] for k in CSV_COLUMNS if k in row},
+        "target": row.get("target") or row["name"], "machine": row.get("machine"),
+        "currency": row.get("currency") or currency, "threads": threads, **ms,
     }
 
 
@@ -62,22 +64,29 @@ def write_html(result: dict, path: str):
 
 def render_html(result: dict) -> str:
     esc = html.escape
-    w, cfg = result["workload"], result["config"]
-    title = f"torchpjrt bench — {w['name']} ({'user model' if cfg['model'] else cfg['size']}, {cfg['task']})"
+    w = result["workload"]
+    title = display.title(result).replace("torchpjrt bench:", "torchpjrt bench —", 1)
+    created = result.get("created") or ", ".join(r["created"] or "?" for r in result["runs"])
     parts = [
         f"<!doctype html><html><head><meta charset='utf-8'><title>{esc(title)}</title>{STYLE}</head><body>",
         f"<h1>{esc(title)}</h1>",
         f"<p>{esc(w['description'] or '')}; batch {w['batch_size']}; {_count(w['parameters'])} parameters; "
-        f"created {esc(result['created'])}.</p>",
+        f"created {esc(created)}.</p>",
         "<h2>Results</h2>", _results_html(result),
+        _ranking_html(result),
         "<h2>Plots</h2>", _plots_html(result),
         _problems_html(result),
-        "<h2>Machine</h2>", _definition_list(_machine_items(result)),
-        "<h2>Versions</h2>", _definition_list(list(result["versions"].items())),
-        "<h2>Method</h2>", f"<p>{esc(result['method'])}</p>",
-        f"<p>Configuration: <code>{esc(json.dumps(result['config']))}</code></p>",
-        "</body></html>",
     ]
+    if "runs" in result:  # a comparison: each machine with its own versions
+        for run in result["runs"]:
+            parts += [f"<h2>Machine {esc(run['label'])}</h2>", f"<p>From {esc(run['path'])}.</p>",
+                      _definition_list(_machine_items(run["machine"])),
+                      "<h3>Versions</h3>", _definition_list(list(run["versions"].items()))]
+    else:
+        parts += ["<h2>Machine</h2>", _definition_list(_machine_items(result["machine"])),
+                  "<h2>Versions</h2>", _definition_list(list(result["versions"].items()))]
+    parts += ["<h2>Method</h2>", f"<p>{esc(result['method'] or '')}</p>",
+              f"<p>Configuration: <code>{esc(json.dumps(result['config']))}</code></p>", "</body></html>"]
     return "\n".join(parts)
 
 
@@ -95,24 +104,29 @@ def _count(n) -> str:
 
 def _results_html(result: dict) -> str:
     esc = html.escape
-    head = ["target", "device", "step time median (p10–p90)", "throughput", "time to first step", "peak memory",
-            "energy / step", "cost / 1M samples", "final loss", f"loss vs {result['reference'] or 'cpu'}"]
+    cols = display.columns(result)
     rows = []
     for row in (r for r in result["targets"] if r["status"] == "ok"):
-        tags = [t for t in ("fastest", "cheapest") if result[t] == row["name"]]
-        agreement = display.fmt_agreement(row, result["reference"])
-        cells = [
-            esc(row["name"]) + "".join(f" <b>({t})</b>" for t in tags), esc(row["device_name"]),
-            display.fmt_step(row["step_time_s"]), display.fmt_rate(row).replace("\n", "<br>"),
-            f"{row['time_to_first_step_s']:.1f} s", display.fmt_memory(row), display.fmt_energy(row),
-            display.fmt_cost(row, result["currency"]), display.fmt_loss(row["final_loss"]),
-            f"<span class='differs'>{agreement}</span>" if row["agrees"] is False else agreement,
-        ]
-        tds = "".join(f"<td>{c}</td>" if i < 2 else f"<td class='num'>{c}</td>" for i, c in enumerate(cells))
-        rows.append(f"<tr{' class=best' if tags else ''}>{tds}</tr>")
-    table = "<table><tr>" + "".join(f"<th>{esc(h)}</th>" for h in head) + "</tr>" + "".join(rows) + "</table>"
+        best = display.tags(result, row)
+        cells = []
+        for header, cell in cols:
+            text = esc(cell(row)).replace("\n", "<br>")
+            if header == "target":
+                text += "".join(f" <b>({t})</b>" for t in best)
+            elif header.startswith("loss vs") and row["agrees"] is False:
+                text = f"<span class='differs'>{text}</span>"
+            cells.append(f"<td>{text}</td>" if header in ("target", "machine", "device") else f"<td class='num'>{text}</td>")
+        rows.append(f"<tr{' class=best' if best else ''}>{''.join(cells)}</tr>")
+    table = "<table><tr>" + "".join(f"<th>{esc(h)}</th>" for h, _ in cols) + "</tr>" + "".join(rows) + "</table>"
     notes = "".join(f"<li>{esc(n)}</li>" for n in display.notes(result))
     return table + f"<ul>{notes}</ul>"
+
+
+def _ranking_html(result: dict) -> str:
+    lines = display.ranking_lines(result)
+    if not lines:
+        return ""
+    return "<h2>Ranking</h2><ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + "</ul>"
 
 
 def _problems_html(result: dict) -> str:
@@ -133,8 +147,7 @@ def _traceback_html(row: dict) -> str:
     return f"<details><summary>traceback</summary><pre>{html.escape(row['error_detail'])}</pre></details>"
 
 
-def _machine_items(result: dict) -> list:
-    m = result["machine"]
+def _machine_items(m: dict) -> list:
     return [
         ("CPU", f"{m['cpu_model']}, {m['logical_cores']} logical cores ({m['usable_cores']} usable)"),
         ("memory", f"{m['memory_gib']} GiB" if m["memory_gib"] else "n/a"),
@@ -166,8 +179,15 @@ def _plots_html(result: dict) -> str:
     if not ok:
         return "<p>No target ran: nothing to plot.</p>"
     figures = [("step time per target", _step_time_plot(ok))]
-    priced = [r for r in ok if r["cost_per_million_samples"] is not None]
-    figures.append(("cost per target", _cost_plot(priced, result["currency"]) if priced else None))
+    if result.get("budget"):
+        priced = [r for r in ok if r["cost_to_train"] is not None]
+        cost = _cost_plot(priced, result["currency"], "cost_to_train", f"Cost of {result['budget']}",
+                          f"{result['currency']} for {result['budget']}") if priced else None
+    else:
+        priced = [r for r in ok if r["cost_per_million_samples"] is not None]
+        cost = _cost_plot(priced, result["currency"], "cost_per_million_samples", "Cost per million samples",
+                          f"{result['currency']} per 1M samples") if priced else None
+    figures.append(("cost per target", cost))
     figures.append(("loss curves per target", _loss_plot(ok, result["config"]["warmup"], result["reference"])))
     return "\n".join(
         f"<figure><img alt='{html.escape(alt)}' src='data:image/png;base64,{png}'></figure>" if png
@@ -204,9 +224,8 @@ def _step_time_plot(rows) -> str:
     return _png(_bar_chart([r["name"] for r in rows], medians, "Step time (median; bars: p10–p90)", "ms per step", errors))
 
 
-def _cost_plot(rows, currency) -> str:
-    costs = [r["cost_per_million_samples"] for r in rows]
-    return _png(_bar_chart([r["name"] for r in rows], costs, "Cost per million samples", f"{currency} per 1M samples"))
+def _cost_plot(rows, currency, key, title, xlabel) -> str:
+    return _png(_bar_chart([r["name"] for r in rows], [r[key] for r in rows], title, xlabel))
 
 
 def _loss_plot(rows, warmup: int, reference: str | None) -> str:
@@ -219,8 +238,9 @@ def _loss_plot(rows, warmup: int, reference: str | None) -> str:
     for i, r in enumerate(rows):
         steps, style = range(1, len(r["losses"]) + 1), {"label": r["name"], "color": f"C{i}", "alpha": 0.8}
         curves.plot(steps, r["losses"], **style)
-        if ref is not None and r["name"] != reference and len(r["losses"]) == len(ref):
-            diffs.plot(steps, [relative_difference(a, b) for a, b in zip(r["losses"], ref)], **style)
+        if ref is not None and r["name"] != reference:  # runs may differ in steps: the common prefix
+            n = min(len(r["losses"]), len(ref))
+            diffs.plot(steps[:n], [relative_difference(a, b) for a, b in zip(r["losses"][:n], ref[:n])], **style)
     for ax in (curves, diffs):
         ax.axvline(warmup + 0.5, color="gray", linestyle="--", linewidth=1, label="end of warm-up")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -29,17 +29,23 @@ METHOD = (
 )
 
 TARGET_KEYS = (
-    "name", "kind", "platform", "status", "reason", "error_kind", "device_name",
+    "name", "kind", "platform", "hardware", "status", "reason", "error_kind", "device_name",
     "step_time_s", "samples_per_s", "tokens_per_s", "time_to_first_step_s", "startup_s",
     "peak_memory_bytes", "peak_memory_source", "energy_j_per_step", "energy_source",
-    "cost_per_million_samples", "price_basis", "losses", "final_loss", "loss_rel_diff",
-    "max_loss_rel_diff", "agrees", "round_median_step_s", "error_detail",
+    "cores", "threads", "imported_jax", "busy_machine", "price_per_hour",
+    "cost_per_million_samples", "price_basis", "time_to_train_s", "cost_to_train", "losses", "final_loss",
+    "loss_rel_diff", "max_loss_rel_diff", "agrees", "round_median_step_s", "error_detail",
 )
 
 
 def summarize(config, records, not_run, probed, table) -> dict:
-    rows = [_measured(r, table) for r in records] + [_not_run(entry) for entry in not_run]
+    machine = dict(probed["machine"], label=config.label or default_label(probed["machine"]))
+    rows = [_measured(r, table, machine["label"]) for r in records] + [_not_run(entry) for entry in not_run]
     reference = _add_agreement(rows, config.tolerance)
+    budget = config.budget()
+    for row in rows:
+        row.update(prices.job_figures(row, budget))
+    _mark_busy(rows, machine)
     ok = [r for r in rows if r["status"] == "ok"]
     ready = next((r.ready for r in records if r.ready), {})
     return {
@@ -53,17 +59,60 @@ def summarize(config, records, not_run, probed, table) -> dict:
             "tokens_per_sample": ready.get("tokens_per_sample"),
             "parameters": ready.get("parameters"),
         },
-        "machine": probed["machine"],
+        "machine": machine,
         "versions": probed["versions"],
         "method": METHOD.format(warmup=config.warmup, rounds=config.rounds, steps=config.steps),
         "reference": reference,
         "tolerance": config.tolerance,
         "currency": table.currency if table else None,
         "prices": table.path if table else None,
-        "fastest": _best(ok, lambda r: r["step_time_s"]["median"]),
-        "cheapest": _best(ok, lambda r: r["cost_per_million_samples"]),
+        "price_source": table.provenance() if table else None,
+        "budget": budget.describe() if budget else None,
+        "budget_note": budget_note(budget, {"name": config.model or config.workload,
+                                            "tokens_per_sample": ready.get("tokens_per_sample")}),
+        **rankings(ok),
         "targets": rows,
     }
+
+
+def rankings(ok: list[dict]) -> dict:
+    """fastest/cheapest, and the targets that ran ordered by time and by cost: of the whole job
+    when a budget gave those figures, else per sample (throughput, cost per million samples)."""
+    job = any(r["time_to_train_s"] is not None for r in ok)
+    by_time = _ranked(ok, (lambda r: r["time_to_train_s"]) if job else (lambda r: 1 / r["samples_per_s"]))
+    by_cost = _ranked(ok, (lambda r: r["cost_to_train"]) if job else (lambda r: r["cost_per_million_samples"]))
+    return {"fastest": by_time[0] if by_time else None, "cheapest": by_cost[0] if by_cost else None,
+            "rank_by_time": by_time, "rank_by_cost": by_cost, "ranked_by_job": job}
+
+
+def budget_note(budget, workload: dict) -> str | None:
+    """Why a budget gave no job figures, when it did not."""
+    if budget is not None and budget.unit == "tokens" and not workload.get("tokens_per_sample"):
+        return f"--tokens: the workload {workload.get('name')!r} has no tokens per sample; give the job with --samples"
+    return None
+
+
+def default_label(machine: dict) -> str:
+    """A machine's name when the run was given no --label: its host CPU and accelerators."""
+    accelerators = ", ".join(machine.get("accelerators") or []) or "no accelerator"
+    return f"{machine.get('cpu_model') or 'unknown CPU'} / {accelerators}"
+
+
+BUSY_LOAD = 1.0  # load average above the cores a run left free marks its CPU timings
+
+
+def _mark_busy(rows: list[dict], machine: dict) -> None:
+    """Rows whose step time other load on the CPU can change (targets computing on the CPU)
+    are marked when the load average says other work was running."""
+    load = machine.get("load_average")
+    cores = machine.get("usable_cores") or 1
+    for row in rows:
+        if row["status"] != "ok" or row["hardware"] != "cpu" or not load:
+            row["busy_machine"] = False if row["status"] == "ok" else None
+            continue
+        threads = (row["threads"] or {}).get("torch_intra_op") or cores
+        # one process of ours runs at a time, with `threads` threads; load beyond them is others'
+        row["busy_machine"] = bool(max(load.values()) > threads + BUSY_LOAD and max(load.values()) > cores - 0.5)
 
 
 def _empty_row(name: str, status: str, reason: str | None) -> dict:
@@ -79,17 +128,18 @@ def _not_run(entry: dict) -> dict:
     return row
 
 
-def _measured(record, table) -> dict:
+def _measured(record, table, label) -> dict:
     target = record.target
     row = _empty_row(target.name, record.status, record.reason)
-    row.update(kind=target.kind, platform=target.platform, error_kind=record.error_kind, error_detail=record.error_detail,
-               losses=record.losses)
+    row.update(kind=target.kind, platform=target.platform, hardware=target.hardware, error_kind=record.error_kind,
+               error_detail=record.error_detail, losses=record.losses)
     ready = record.ready
     if ready:
         row.update(
             device_name=ready["device_name"],
             time_to_first_step_s=ready["time_to_first_step_s"],
             startup_s={k: ready[k] for k in ("import_s", "build_s", "first_step_s")},
+            cores=ready["cores"], threads=ready["threads"], imported_jax=ready["imported_jax"],
         )
     if record.status != "ok":
         return row
@@ -105,7 +155,7 @@ def _measured(record, table) -> dict:
         final_loss=record.losses[-1] if record.losses else None,
     )
     row.update(_energy(record))
-    row.update(_cost(row, ready, target, table))
+    row.update(price_row(row, table, label))
     return row
 
 
@@ -116,14 +166,17 @@ def _energy(record) -> dict:
     return {"energy_j_per_step": sum(record.energy_j) / len(record.step_times), "energy_source": ready["energy_source"]}
 
 
-def _cost(row: dict, ready: dict, target, table) -> dict:
+def price_row(row: dict, table, label: str | None) -> dict:
+    """The price columns of a row that ran: hourly price, its basis, cost per million samples."""
+    none = {"price_per_hour": None, "cost_per_million_samples": None}
     if table is None:
-        return {"cost_per_million_samples": None, "price_basis": "n/a: no price table (see --prices)"}
-    hourly, basis = table.hourly(target.hardware, ready["device_name"], ready["cores"])
+        return {**none, "price_basis": "n/a: no price table (see --prices)"}
+    hourly, basis = table.hourly(row["hardware"], row["device_name"], row["cores"], label)
     if hourly is None:
-        return {"cost_per_million_samples": None, "price_basis": f"n/a: {basis}"}
-    cost = prices.cost_per_million_samples(hourly, row["step_time_s"]["median"], ready["batch_size"])
-    return {"cost_per_million_samples": cost, "price_basis": basis}
+        return {**none, "price_basis": f"n/a: {basis}"}
+    batch_size = row["samples_per_s"] * row["step_time_s"]["median"]
+    cost = prices.cost_per_million_samples(hourly, row["step_time_s"]["median"], batch_size)
+    return {"price_per_hour": hourly, "cost_per_million_samples": cost, "price_basis": basis}
 
 
 def _add_agreement(rows: list[dict], tolerance: float) -> str | None:
@@ -142,6 +195,6 @@ def _add_agreement(rows: list[dict], tolerance: float) -> str | None:
     return REFERENCE
 
 
-def _best(rows: list[dict], key) -> str | None:
+def _ranked(rows: list[dict], key) -> list[str]:
     candidates = [r for r in rows if key(r) is not None and math.isfinite(key(r))]
-    return min(candidates, key=key)["name"] if candidates else None
+    return [r["name"] for r in sorted(candidates, key=key)]

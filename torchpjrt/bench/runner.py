@@ -40,12 +40,32 @@ class BenchConfig:
     tolerance: float
     timeout: float
     prices: str | None
+    label: str | None = None  # the machine's name in reports (provider/instance), else its hardware
+    threads: int | None = None  # CPU threads of every worker; None: chosen at the start (choose_threads)
+    tokens: float | None = None  # the whole job, for time and cost to train (one of the two)
+    samples: float | None = None
+
+    def budget(self):
+        from .prices import Budget
+
+        if self.tokens:
+            return Budget(self.tokens, "tokens")
+        return Budget(self.samples, "samples") if self.samples else None
 
     def worker_config(self, target: Target) -> dict:
         return {
             "target": target.to_json(), "workload": self.workload, "size": self.size, "task": self.task,
             "model": self.model, "batch_size": self.batch_size, "seed": self.seed, "warmup": self.warmup, "lr": self.lr,
+            "threads": self.threads,
         }
+
+
+def choose_threads(usable: int, load: float) -> int:
+    """CPU threads for every worker: the cores other work leaves free, at least one. Each worker
+    runs alone (rounds take turns), so all get the same count; on a busy machine a thread count
+    equal to the cores would have torch's and XLA's threads wait on descheduled peers (a tiny
+    step measured 40x slower with 2 threads than with 1 on a loaded 2-core machine)."""
+    return max(1, min(usable, usable - int(load)))
 
 
 @dataclass
@@ -147,14 +167,21 @@ class Worker:
         shutil.rmtree(self.cache_dir, ignore_errors=True)
 
 
-def worker_env(target: Target | None) -> dict:
+def worker_env(target: Target | None, threads: int | None = None) -> dict:
     env = dict(os.environ)
     # The user's --model module is found from the current directory, as with `python -m`.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH")) if p)
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX would take 75% of a GPU up front
+    if threads:
+        # read when the thread pools start; the worker also pins itself to as many cores
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     if target is not None and target.device_type == "pjrt":
         env["TORCHPJRT_PLATFORM"] = target.platform
         env["JAX_PLATFORMS"] = target.platform  # open only this platform: a TPU admits one process
+    elif target is not None:
+        # `import torch` would load torchpjrt (and JAX) through the device-backend entry point:
+        # the cpu and cuda targets' start-up is torch's alone, as on a machine without torchpjrt
+        env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
     return env
 
 
@@ -204,7 +231,7 @@ def run_group(config: BenchConfig, records: list[TargetRecord], progress):
 
 def start(config: BenchConfig, record: TargetRecord, progress) -> Worker | None:
     progress.update(record.target.name, "starting (import, build, first step, warm-up)")
-    worker = Worker(config.worker_config(record.target), worker_env(record.target), config.timeout)
+    worker = Worker(config.worker_config(record.target), worker_env(record.target, config.threads), config.timeout)
     try:
         record.ready = worker.receive()
     except WorkerFailed as failure:
@@ -237,7 +264,9 @@ def finish(record: TargetRecord, workers: dict, progress):
         _drop(record, workers.pop(record.target), failure, progress)
         return
     record.status = "ok"
-    progress.update(record.target.name, "done", done=True)
+    times = sorted(record.step_times)
+    progress.update(record.target.name, f"done: {times[len(times) // 2] * 1e3:.3g} ms/step (median)" if times else "done",
+                    done=True)
 
 
 def _drop(record: TargetRecord, worker: Worker, failure: WorkerFailed, progress) -> None:
@@ -257,6 +286,10 @@ def run_bench(config: BenchConfig, console, price_table) -> dict:
             probed = targets.probe_failed(failure.message)
     runnable, not_run = targets.resolve(config.targets, probed)
     load_before = os.getloadavg()[0]
+    probed["machine"]["threads_chosen"] = "--threads" if config.threads else \
+        f"the cores left free by a load average of {load_before:.1f}"
+    if not config.threads:
+        config.threads = choose_threads(probed["machine"]["usable_cores"], load_before)
     with display.ProgressView(console, [t.name for t in runnable], config.rounds) as progress:
         records = run_targets(config, runnable, progress)
     # Other load on the machine makes timings noisy: the report says how busy it was.

@@ -29,9 +29,28 @@ class Channel:
         self.out.flush()
 
 
-def import_device(target: targets.Target):
+def limit_threads(threads: int | None) -> None:
+    """Pins this worker to `threads` cores: XLA:CPU sizes its thread pool by the cores a process
+    may run on, and torch's OpenMP pool by OMP_NUM_THREADS (set by the parent) as well."""
+    if threads and hasattr(os, "sched_setaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, cores[:threads])
+
+
+def thread_counts(torch) -> dict:
+    return {
+        "torch_intra_op": torch.get_num_threads(),
+        "torch_inter_op": torch.get_num_interop_threads(),
+        "cores_pinned": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+    }
+
+
+def import_device(target: targets.Target, threads: int | None = None):
     """Import what the target needs (this is part of its start-up time) and return its device."""
     import torch
+
+    if threads:
+        torch.set_num_threads(threads)
 
     if target.device_type == "pjrt":
         import torchpjrt
@@ -45,8 +64,10 @@ class Session:
     def __init__(self, config: dict, spawn_time: float):
         self.target = targets.Target(**config["target"])
         self.seed = config["seed"]
-        self.device = import_device(self.target)
+        limit_threads(config.get("threads"))
+        self.device = import_device(self.target, config.get("threads"))
         imported = time.time()
+        self.imported_jax = "jax" in sys.modules
 
         import torch
 
@@ -92,6 +113,8 @@ class Session:
             "losses": self.take_losses(),
             "device_name": device_name(self.target),
             "cores": measure_cores(self.target),
+            "threads": thread_counts(self.torch),
+            "imported_jax": self.imported_jax,
             "batch_size": w.batch_size,
             "tokens_per_sample": w.tokens_per_sample,
             "description": w.description,
@@ -159,7 +182,7 @@ def device_name(target) -> str:
 
 def measure_cores(target) -> int | None:
     """CPU cores the target may use (what a CPU price is charged for); None for accelerators."""
-    return targets.usable_cores() if target.hardware == "cpu" else None
+    return targets.usable_cores() if target.hardware == "cpu" else None  # after limit_threads: the pinned ones
 
 
 # ---- errors ---------------------------------------------------------------------------------

@@ -10,8 +10,12 @@ so the loss curves in the report go down and show whether targets train alike.
 """
 
 import importlib
+import importlib.util
 import math
+import os
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -463,16 +467,29 @@ class FactoryError(Exception):
 
 
 def parse_model_path(path: str) -> tuple[str, str]:
-    module, sep, attr = path.partition(":")
-    if not sep or not module or not attr:
-        raise FactoryError(f"--model {path!r} must look like package.module:factory")
+    """(module name or .py file, factory name) of a --model argument."""
+    module, sep, attr = path.rpartition(":")
+    if not sep or not module or not attr or not attr.isidentifier():
+        raise FactoryError(f"--model {path!r} must look like package.module:factory or path/to/file.py:factory")
     return module, attr
+
+
+def is_file_path(module: str) -> bool:
+    return module.endswith(".py") or "/" in module or os.sep in module
 
 
 def load_factory(path: str) -> Callable:
     module_name, attr = parse_model_path(path)
     try:
-        module = importlib.import_module(module_name)
+        if is_file_path(module_name):
+            spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
+            if spec is None:
+                raise FileNotFoundError(f"no Python file at {module_name}")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module  # pickling and dataclasses look the module up by name
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
     except Exception as e:  # noqa: BLE001 - any import failure is the user's module's
         raise FactoryError(f"cannot import {module_name!r} for --model {path}: {type(e).__name__}: {e}") from e
     factory = getattr(module, attr, None)
