@@ -301,3 +301,229 @@ def test_cli_rejects_a_missing_model_module(tmp_path, monkeypatch, capsys):
     assert "no module named 'no_such_module_here'" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # argparse: an unknown workload
         cli.main(["bench", "resnet9000"])
+
+
+# ---- runs compared across machines, budgets, thread counts ----------------------------------
+
+from torchpjrt.bench import compare, display  # noqa: E402
+
+
+def _row(name, step_s, losses, hardware="cpu", device="Some CPU", price=0.1, batch=32):
+    row = dict.fromkeys(results.TARGET_KEYS)
+    kind, _, platform = name.partition("@")
+    row.update(name=name, kind=kind, platform=platform or None, hardware=hardware, status="ok", device_name=device,
+               step_time_s={"median": step_s, "p10": step_s * 0.9, "p90": step_s * 1.1}, samples_per_s=batch / step_s,
+               tokens_per_s=batch * 16 / step_s, time_to_first_step_s=2.0, peak_memory_bytes=2**30,
+               peak_memory_source="process peak RSS (getrusage)", energy_source="n/a: none", cores=4,
+               threads={"torch_intra_op": 4}, price_per_hour=price,
+               cost_per_million_samples=prices.cost_per_million_samples(price, step_s, batch),
+               losses=losses, final_loss=losses[-1], busy_machine=False)
+    return row
+
+
+def _run(label, rows, seed=0, versions=None, path=None):
+    return {
+        "schema": results.SCHEMA, "created": "2026-12-04T00:00:00+00:00", "_path": path or f"{label}.json",
+        "config": {"workload": "gpt2", "size": "tiny", "task": "train", "model": None, "seed": seed, "lr": 1e-3,
+                   "warmup": 1},
+        "workload": {"name": "gpt2", "description": "GPT-2", "batch_size": 32, "tokens_per_sample": 16, "parameters": 10},
+        "machine": {"cpu_model": "Some CPU", "logical_cores": 4, "usable_cores": 4, "memory_gib": 16, "accelerators": [],
+                    "os": "Linux", "label": label},
+        "versions": versions or {"torch": "2.13.0", "jax": "0.10.2"}, "method": "m", "tolerance": 1e-3,
+        "currency": "USD", "prices": "p.toml", "price_source": "p.toml (examples)", "targets": rows,
+    }
+
+
+LOSSES = [2.0, 1.5, 1.2]
+
+
+def test_compare_merges_machines_and_ranks_the_whole_job():
+    a = _run("cloud-a", [_row("cpu", 0.010, LOSSES, price=0.2)])
+    b = _run("cloud-b", [_row("pjrt@gpu", 0.002, [2.0, 1.5, 1.2000001], hardware="gpu", device="NVIDIA H100", price=3.0),
+                         _row("cpu", 0.012, LOSSES, price=0.1)], versions={"torch": "2.13.0", "jax": "0.10.1"})
+    merged = compare.merge([a, b], budget=prices.Budget(1.6e7, "tokens"))
+    rows = {r["name"]: r for r in merged["targets"]}
+    assert set(rows) == {"cpu [cloud-a]", "pjrt@gpu [cloud-b]", "cpu [cloud-b]"}
+    assert rows["pjrt@gpu [cloud-b]"]["machine"] == "cloud-b" and rows["pjrt@gpu [cloud-b]"]["target"] == "pjrt@gpu"
+    assert merged["reference"] == "cpu [cloud-a]"  # the first run's cpu
+    assert rows["pjrt@gpu [cloud-b]"]["agrees"] is True and rows["cpu [cloud-b]"]["loss_rel_diff"] == 0.0
+    # 1.6e7 tokens at 16 tokens per sample = 1e6 samples
+    gpu = rows["pjrt@gpu [cloud-b]"]
+    assert gpu["time_to_train_s"] == pytest.approx(1e6 / (32 / 0.002))
+    assert gpu["cost_to_train"] == pytest.approx(3.0 * gpu["time_to_train_s"] / 3600)
+    assert merged["rank_by_time"][0] == "pjrt@gpu [cloud-b]" and merged["fastest"] == "pjrt@gpu [cloud-b]"
+    costs = {n: rows[n]["cost_to_train"] for n in rows}
+    assert merged["rank_by_cost"] == sorted(costs, key=costs.get) and merged["ranked_by_job"]
+    assert any("jax differs" in n and "0.10.1 on cloud-b" in n for n in merged["version_notes"])
+    assert merged["schema"] == compare.SCHEMA and [r["label"] for r in merged["runs"]] == ["cloud-a", "cloud-b"]
+    # another reference, by bare target name (its first run)
+    assert compare.merge([a, b], reference="pjrt@gpu")["reference"] == "pjrt@gpu [cloud-b]"
+    with pytest.raises(compare.CompareError, match="--reference 'tpu' is not a target that ran"):
+        compare.merge([a, b], reference="tpu")
+
+
+@pytest.mark.parametrize("field,change,named", [
+    ("config", {"seed": 1}, "seed 1 vs 0"),
+    ("config", {"task": "infer"}, "task 'infer' vs 'train'"),
+    ("config", {"size": "small"}, "size 'small' vs 'tiny'"),
+    ("workload", {"batch_size": 64}, "batch size 64 vs 32"),
+    ("workload", {"name": "llama"}, "workload 'llama' vs 'gpt2'"),
+])
+def test_compare_refuses_runs_of_different_workloads(field, change, named):
+    a = _run("a", [_row("cpu", 0.01, LOSSES)])
+    b = _run("b", [_row("cpu", 0.01, LOSSES)])
+    b[field] = {**b[field], **change}
+    with pytest.raises(compare.CompareError, match=named):
+        compare.merge([a, b])
+
+
+def test_compare_cli_errors_are_clear(tmp_path, capsys):
+    (tmp_path / "x.json").write_text("{}")
+    (tmp_path / "bad.json").write_text("not json")
+    assert cli.main(["bench", "compare", str(tmp_path / "x.json")]) == 2
+    assert "is not a `torchpjrt bench --json` file" in capsys.readouterr().err
+    assert cli.main(["bench", "compare", str(tmp_path / "bad.json")]) == 2
+    assert "is not JSON" in capsys.readouterr().err
+    assert cli.main(["bench", "compare", str(tmp_path / "missing.json")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_table_fits_100_columns_without_cutting_values():
+    from rich.console import Console
+
+    a = _run("a-provider-with-a-long-name", [_row("cpu", 0.0123, LOSSES)])
+    b = _run("b", [_row("pjrt-fused@gpu", 0.00123, LOSSES, hardware="gpu", device="NVIDIA H100 80GB HBM3", price=3.0)])
+    merged = compare.merge([a, b], budget=prices.Budget(1e9, "samples"))
+    console = Console(width=100, record=True, file=__import__("io").StringIO())
+    display.print_table(console, merged)
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 100
+    table_text = text.split("left out")[0] if "left out" in text else text
+    words = table_text.split()
+    for value in ("(fastest)", "pjrt-fused@gpu", "a-provider-with-a-long-name", "12.3", "days", "32.03"):
+        assert value in words, value  # whole, not cut or folded
+    assert "left out for the width of the terminal: " in text
+    assert "ranked by cost for 1e+09 samples" in text and "cheapest" in text
+
+
+def test_title_says_when_no_target_ran(capsys):
+    from rich.console import Console
+
+    failed = dict.fromkeys(results.TARGET_KEYS)
+    failed.update(name="pjrt@tpu", status="skipped", reason="no TPU", losses=[])
+    run = _run("m", [failed])
+    run["workload"]["batch_size"] = None
+    console = Console(width=120, record=True, file=__import__("io").StringIO())
+    display.print_table(console, {**run, "reference": None, "fastest": None, "cheapest": None})
+    assert "torchpjrt bench: gpt2 (tiny, train): no target ran" in console.export_text()
+
+
+def test_progress_off_a_terminal_is_a_line_per_finished_target():
+    from rich.console import Console
+
+    console = Console(record=True, file=__import__("io").StringIO(), force_terminal=False)
+    with display.ProgressView(console, ["cpu", "pjrt@cpu"], rounds=2) as progress:
+        progress.update("cpu", "round 1/2")
+        progress.update("cpu", "done: 1.2 ms/step (median)", done=True)
+        progress.update("pjrt@cpu", "[red]failed: crash[/red]", done=True)
+    lines = console.export_text().splitlines()
+    assert lines == ["running 2 target(s): cpu, pjrt@cpu", "cpu: done: 1.2 ms/step (median)", "pjrt@cpu: failed: crash"]
+
+
+def test_instance_prices_and_job_figures(tmp_path):
+    path = tmp_path / "p.toml"
+    path.write_text('currency = "EUR"\nsource = "my provider"\ndate = 2026-11-01\n[cpu]\nper_core_hour = 0.05\n'
+                    '[accelerator]\n"H100" = 3.0\n[instance]\n"aws-p5" = { hourly = 96.0, chips = 8 }\n')
+    table = prices.load(path)
+    assert table.hourly("gpu", "NVIDIA H100", None, "aws-p5") == (12.0, "instance 'aws-p5': 96.0 EUR/hour / 8 chips")
+    assert table.hourly("cpu", "x", 4, "aws-p5")[0] == 96.0
+    assert table.hourly("gpu", "NVIDIA H100", None, "elsewhere")[0] == 3.0
+    assert "my provider, as of 2026-11-01" in table.provenance()
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[instance]\n"x" = { hourly = -1 }\n')
+    with pytest.raises(prices.PriceTableError, match=r"\[instance\] 'x' must be"):
+        prices.load(bad)
+    row = {"status": "ok", "samples_per_s": 100.0, "tokens_per_s": None, "price_per_hour": 36.0}
+    assert prices.job_figures(row, prices.Budget(3.6e5, "samples")) == {"time_to_train_s": 3600.0, "cost_to_train": 36.0}
+    assert prices.job_figures(row, prices.Budget(1e6, "tokens")) == {"time_to_train_s": None, "cost_to_train": None}
+
+
+def test_thread_choice_and_worker_environment():
+    assert runner.choose_threads(2, 0.3) == 2
+    assert runner.choose_threads(2, 1.4) == 1 and runner.choose_threads(2, 7.0) == 1
+    assert runner.choose_threads(16, 3.9) == 13
+    cpu_env = runner.worker_env(targets.Target("cpu"), threads=3)
+    assert cpu_env["TORCH_DEVICE_BACKEND_AUTOLOAD"] == "0" and cpu_env["OMP_NUM_THREADS"] == "3"
+    pjrt_env = runner.worker_env(targets.Target("pjrt", "cpu"), threads=3)
+    assert "TORCH_DEVICE_BACKEND_AUTOLOAD" not in pjrt_env or pjrt_env["TORCH_DEVICE_BACKEND_AUTOLOAD"] != "0"
+
+
+def test_model_given_as_a_file_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "mine.py").write_text(textwrap.dedent(USER_MODULE) + "\nif __name__ == '__main__':\n    pass\n")
+    assert _check_model_path("models/mine.py:make") is None
+    assert "defines no 'maker' at its top level" in _check_model_path("models/mine.py:maker")
+    assert "no file 'models/other.py'" in _check_model_path("models/other.py:make")
+    w = workloads.build(None, "small", "models/mine.py:make", 4)
+    assert isinstance(w.model, torch.nn.Linear)
+
+
+@pytest.fixture(scope="module")
+def two_machines(tmp_path_factory):
+    """Two real runs, as two machines would make them: cpu on one, cpu and pjrt on the other."""
+    out = tmp_path_factory.mktemp("machines")
+    common = [sys.executable, "-m", "torchpjrt", "bench", "mlp", "--size", "tiny", "--steps", "2", "--rounds", "2",
+              "--warmup", "1", "--timeout", "300", "--threads", "1"]
+    for label, target_list in (("machine-a", "cpu"), ("machine-b", "cpu,pjrt")):
+        proc = subprocess.run(common + ["--targets", target_list, "--label", label, "--json", str(out / f"{label}.json")],
+                              capture_output=True, text=True, timeout=600, cwd=out)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    paths = {k: out / f"merged.{k}" for k in ("json", "csv", "html")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchpjrt", "bench", "compare", str(out / "machine-a.json"), str(out / "machine-b.json"),
+         "--samples", "1e8", "--json", str(paths["json"]), "--csv", str(paths["csv"]), "--report", str(paths["html"])],
+        capture_output=True, text=True, timeout=300, cwd=out)
+    return proc, paths, out
+
+
+@pytest.mark.slow
+def test_compare_of_two_real_runs(two_machines):
+    proc, paths, out = two_machines
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 runs compared" in proc.stdout and "ranked by cost for 1e+08 samples" in proc.stdout
+    merged = json.loads(paths["json"].read_text())
+    assert merged["schema"] == compare.SCHEMA and merged["reference"] == "cpu [machine-a]"
+    rows = {r["name"]: r for r in merged["targets"]}
+    assert {"cpu [machine-a]", "cpu [machine-b]", "pjrt@cpu [machine-b]"} <= set(rows)
+    for row in rows.values():
+        assert row["status"] == "ok" and row["threads"]["torch_intra_op"] == 1 and row["threads"]["cores_pinned"] == 1
+        assert row["time_to_train_s"] > 0 and row["cost_to_train"] > 0 and row["agrees"] is True
+    # the cpu workers started without torchpjrt and JAX, the pjrt worker with them
+    assert rows["cpu [machine-a]"]["imported_jax"] is False and rows["pjrt@cpu [machine-b]"]["imported_jax"] is True
+    with open(paths["csv"], newline="") as f:
+        table = list(csv.DictReader(f))
+    assert tuple(table[0]) == report.CSV_COLUMNS and {r["machine"] for r in table} == {"machine-a", "machine-b"}
+    # a run of another workload is refused, naming the difference
+    other = json.loads((out / "machine-b.json").read_text())
+    other["config"]["seed"] = 7
+    (out / "other.json").write_text(json.dumps(other))
+    refused = subprocess.run([sys.executable, "-m", "torchpjrt", "bench", "compare", str(out / "machine-a.json"),
+                              str(out / "other.json")], capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "seed 7 vs 0" in refused.stderr
+
+
+@pytest.mark.slow
+def test_compare_report_renders_in_chromium(two_machines, tmp_path):
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"{CHROMIUM} is missing (apt-get install -y chromium)")
+    pytest.importorskip("matplotlib", reason="the report's plots need matplotlib (torchpjrt[bench])")
+    _, paths, _ = two_machines
+    dom = subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path}",
+         "--dump-dom", paths["html"].as_uri()],
+        capture_output=True, text=True, timeout=120,
+    ).stdout
+    assert dom.count('src="data:image/png;base64,') == 3  # step time, cost of the job, loss curves
+    assert "Machine machine-a" in dom and "Machine machine-b" in dom and "Ranking" in dom

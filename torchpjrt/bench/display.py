@@ -125,7 +125,8 @@ def columns(result: dict) -> list[tuple[str, callable]]:
         cols += [(f"time for {result['budget']}", lambda r: fmt_duration(r["time_to_train_s"])),
                  (f"cost for {result['budget']}", lambda r: fmt_money(r["cost_to_train"], r.get("currency") or currency))]
     cols += [("final loss", lambda r: fmt_loss(r["final_loss"])),
-             (f"loss vs {result['reference'] or 'cpu'}", lambda r: fmt_agreement(r, result["reference"]))]
+             ("loss vs reference" if "runs" in result else f"loss vs {result['reference'] or 'cpu'}",
+              lambda r: fmt_agreement(r, result["reference"]))]
     return [(h, f) for h, f in cols if h in ("target", "final loss") or any(f(r) != "n/a" for r in ok)]
 
 

@@ -51,6 +51,10 @@ def import_device(target: targets.Target, threads: int | None = None):
 
     if threads:
         torch.set_num_threads(threads)
+        try:
+            torch.set_num_interop_threads(threads)
+        except RuntimeError:  # inter-op work already started (a user module imported early)
+            pass
 
     if target.device_type == "pjrt":
         import torchpjrt
