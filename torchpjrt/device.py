@@ -429,22 +429,6 @@ def set_rng_state_all(new_states) -> None:
 # ---- registration -----------------------------------------------------------------------
 
 
-class _Hooks(torch._C._acc.PrivateUse1Hooks):
-    def is_available(self) -> bool:
-        return True
-
-    def has_primary_context(self, dev_id) -> bool:
-        return True
-
-    def is_built(self) -> bool:
-        return True
-
-
-class _DeviceGuard(torch._C._acc.DeviceGuard):
-    def type_(self):
-        return torch._C._autograd.DeviceType.PrivateUse1
-
-
 _registered = False
 
 
@@ -458,8 +442,17 @@ def register():
             "torchpjrt: the PrivateUse1 device is already taken by "
             f"{torch._C._get_privateuse1_backend_name()!r}"
         )
+    import torchpjrt_autoload
+
+    if torchpjrt_autoload.registered:
+        # `import torch` named the device already (its lazy torch.pjrt forwarded here): this
+        # module becomes torch.pjrt itself
+        torch.pjrt = sys.modules[__name__]
+        sys.modules["torch." + BACKEND_NAME] = sys.modules[__name__]
+        return
     _setup_privateuseone_for_python_backend(
-        BACKEND_NAME, backend_module=sys.modules[__name__], hook=_Hooks(), device_guard=_DeviceGuard()
+        BACKEND_NAME, backend_module=sys.modules[__name__], hook=torchpjrt_autoload.Hooks(),
+        device_guard=torchpjrt_autoload.DeviceGuard(),
     )
 
 

@@ -1447,7 +1447,10 @@ def register():
             lib.impl(_qualname(derived), _instrumented(derived, derived_kernel(derived, op)), "PrivateUse1")
     fb = torch.library.Library("_", "IMPL")
     _libs.append(fb)
-    fb.fallback(fallback, dispatch_key="PrivateUse1", with_keyset=True)
+    import torchpjrt_autoload
+
+    if not torchpjrt_autoload.take_fallback(fallback):  # autoload's fallback calls this one from now on
+        fb.fallback(fallback, dispatch_key="PrivateUse1", with_keyset=True)
     # a quantized tensor on pjrt (torch._empty_affine_quantized(..., device="pjrt"), what
     # quantize_per_tensor makes) reaches the QuantizedPrivateUse1 key: refused by name, instead of
     # the dispatcher's list of backends

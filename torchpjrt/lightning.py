@@ -3,8 +3,8 @@
 
 Lightning accepts only accelerator names in its registries. torchpjrt does not depend on
 Lightning: when `lightning.pytorch.accelerators` (or `lightning.fabric.accelerators`,
-`pytorch_lightning.accelerators`) is imported in a process where torchpjrt is loaded (which
-`import torch` does), the accelerator is added to that registry (`watch_imports`).
+`pytorch_lightning.accelerators`) is imported in a process where torchpjrt is loaded (importing
+Lightning loads it, see torchpjrt_autoload), the accelerator is added to that registry (`watch_imports`).
 
 Devices: pjrt runs one device per process. `devices=1` trains on pjrt:0 in the process;
 `devices=N` with N > 1 is Lightning's DDP over N processes (its launcher starts them), each on its
@@ -19,10 +19,10 @@ several; every other choice is Lightning's.
 """
 
 import importlib.abc
-import importlib.util
 import sys
 
 import torch
+import torchpjrt_autoload
 
 _REGISTRIES = {
     "lightning.pytorch.accelerators": "lightning.pytorch.accelerators.accelerator",
@@ -161,26 +161,7 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
         action = _ON_IMPORT.get(fullname)
         if action is None:
             return None
-        sys.meta_path.remove(self)
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            sys.meta_path.insert(0, self)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        exec_module = loader.exec_module
-
-        class Loader(importlib.abc.Loader):
-            def create_module(self, spec):
-                return loader.create_module(spec)
-
-            def exec_module(self, module):
-                exec_module(module)
-                action(fullname)
-
-        spec.loader = Loader()
-        return spec
+        return torchpjrt_autoload.after_import(self, fullname, lambda module: action(fullname))
 
 
 def watch_imports() -> None:

@@ -600,4 +600,6 @@ def register() -> None:
     if _registered or not dist.is_available():
         return
     _registered = True
+    if BACKEND_NAME in dist.Backend.backend_list:
+        return  # registered at `import torch` (torchpjrt_autoload), whose creator calls _create
     dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["pjrt", "cpu"])
