@@ -271,18 +271,23 @@ def test_cli_end_to_end(cli_run):
     assert float(next(r for r in table if r["target"] == "cpu")["step_median_ms"]) > 0
 
 
+def _rendered(html_path, profile_dir) -> str:
+    """The report's DOM as headless Chromium renders it."""
+    return subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={profile_dir}",
+         "--dump-dom", html_path.as_uri()],
+        capture_output=True, text=True, timeout=120,
+    ).stdout
+
+
 @pytest.mark.slow
 def test_html_report_renders_in_chromium(cli_run, tmp_path):
     if not os.path.exists(CHROMIUM):
         pytest.skip(f"{CHROMIUM} is missing (apt-get install -y chromium)")
     pytest.importorskip("matplotlib", reason="the report's plots need matplotlib (torchpjrt[bench])")
     _, paths = cli_run
-    dom = subprocess.run(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path}",
-         "--dump-dom", paths["html"].as_uri()],
-        capture_output=True, text=True, timeout=120,
-    ).stdout
+    dom = _rendered(paths["html"], tmp_path)
     assert dom.count('src="data:image/png;base64,') == 3  # step time, cost, loss curves
     assert "Machine" in dom and "Method" in dom and "unknown target" in dom
 
@@ -519,11 +524,6 @@ def test_compare_report_renders_in_chromium(two_machines, tmp_path):
         pytest.skip(f"{CHROMIUM} is missing (apt-get install -y chromium)")
     pytest.importorskip("matplotlib", reason="the report's plots need matplotlib (torchpjrt[bench])")
     _, paths, _ = two_machines
-    dom = subprocess.run(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path}",
-         "--dump-dom", paths["html"].as_uri()],
-        capture_output=True, text=True, timeout=120,
-    ).stdout
+    dom = _rendered(paths["html"], tmp_path)
     assert dom.count('src="data:image/png;base64,') == 3  # step time, cost of the job, loss curves
     assert "Machine machine-a" in dom and "Machine machine-b" in dom and "Ranking" in dom
