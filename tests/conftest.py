@@ -54,6 +54,9 @@ def pytest_configure(config):
 
 @pytest.fixture(params=["strict", "debug", "fused"])
 def each_eager_mode(request):
-    """Run a test once per eager mode (modules opt in with `usefixtures`)."""
-    with torchpjrt.eager_mode(request.param):
+    """Run a test once per eager mode (modules opt in with `usefixtures`). Fused mode compiles
+    each graph at its first sighting, so that a program run once is checked as a fused graph
+    (by default it would run op by op, as strict mode does, until the graph repeats)."""
+    options = {"compile_after": 1} if request.param == "fused" else {}
+    with torchpjrt.eager_mode(request.param, **options):
         yield request.param

@@ -80,7 +80,8 @@ def test_fused_records_until_a_value_is_observed():
     y = (x * 2 + 1).exp().log() - 1
     assert torchpjrt.eager_stats()["ops_pending"] >= 4
     before = flushes("host_read")
-    assert y.cpu().tolist() == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
+    # XLA's exp and log round differently from the CPU's: equal to float32 precision
+    torch.testing.assert_close(y.cpu(), torch.tensor([0.0, 2.0, 4.0, 6.0, 8.0, 10.0]))
     assert flushes("host_read") == before + 1
     assert torchpjrt.eager_stats()["ops_pending"] == 0
 
@@ -158,18 +159,18 @@ def test_an_error_in_a_fused_region_surfaces_at_the_op():
     assert c.cpu().tolist() == [2.0, 2.0, 2.0]  # the region before the error is intact
 
 
-def test_a_graph_that_fails_to_run_reports_it_at_every_later_use(monkeypatch):
-    def failing_replay(*args):
-        def run(*inputs):
-            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory while allocating")
-
-        return run
+@pytest.mark.parametrize("compile_after", [1, 2], ids=["compiled", "op_by_op"])
+def test_a_graph_that_fails_to_run_reports_it_at_every_later_use(monkeypatch, compile_after):
+    def fail(*inputs):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory while allocating")
 
     torchpjrt.set_eager_mode("fused")
     x = torch.arange(5.0, device=DEV)
     torch.pjrt.synchronize()
     y = x * 7 + 3.25  # a structure no earlier test compiled
-    monkeypatch.setattr(fusion, "_make_replay", failing_replay)
+    monkeypatch.setattr(fusion, "compile_after", compile_after)
+    monkeypatch.setattr(fusion, "_make_replay", lambda *args: fail)  # a graph's first sighting compiles it
+    monkeypatch.setattr(fusion, "_run_op_by_op", fail)  # or its ops run alone
     with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
         y.cpu()
     monkeypatch.undo()
@@ -230,12 +231,13 @@ def test_fused_training_matches_strict_and_compiles_only_in_the_first_steps():
     with torchpjrt.eager_mode("fused"):
         fused = _train(6, after_step=lambda i: compiled_after.__setitem__(i, torchpjrt.eager_stats()["graphs_compiled"]))
     torch.testing.assert_close(fused, strict, rtol=1e-5, atol=1e-6)
-    # AdamW's first step creates its state; from the second step on the same graphs run again
-    assert compiled_after[5] == compiled_after[1], compiled_after
+    # AdamW's first step creates its state; from the second step on the same graphs run again,
+    # op by op at their first sighting and compiled at the second
+    assert compiled_after[5] == compiled_after[2] > compiled_after[1], compiled_after
     with torchpjrt.eager_mode("fused"):
         sgd = {}
         _train(3, torch.optim.SGD, after_step=lambda i: sgd.__setitem__(i, torchpjrt.eager_stats()["graphs_compiled"]))
-    assert sgd[2] == sgd[0], sgd  # plain SGD: the second step compiles nothing
+    assert sgd[2] == sgd[1] > sgd[0], sgd  # plain SGD: the second step compiles, the third nothing
 
 
 def test_an_inference_loop_compiles_once():

@@ -372,7 +372,7 @@ class LoweredKernel:
                 # data-dependent output shapes (nonzero, unique): the inputs must be known
                 outs = fn(*fusion.concrete_tree(dyn))
             elif fusion._recording:
-                outs = fusion.record_keyed(self.fused_avals, key, getattr(fn, "traceable", fn), dyn)
+                outs = fusion.record_keyed(self.fused_avals, key, fn, dyn)
             else:
                 outs = fn(*dyn)
         except TypeError as e:

@@ -44,10 +44,13 @@ def get_eager_mode() -> str:
     return _mode
 
 
-def set_eager_mode(mode: str, *, max_ops: int = None, check_nans: bool = None, log_ops: bool = None) -> None:
+def set_eager_mode(mode: str, *, max_ops: int = None, compile_after: int = None, check_nans: bool = None,
+                   log_ops: bool = None) -> None:
     """Select the eager mode for the whole process.
 
     max_ops (fused): pending graph size that forces a flush.
+    compile_after (fused): times a graph (structure and input shapes) must run before it is
+        compiled as one program; the earlier runs go op by op (1: compile every graph at once).
     check_nans, log_ops (debug): as TORCHPJRT_CHECK_NANS / TORCHPJRT_LOG_OPS.
     """
     global _mode, debug_enabled
@@ -57,6 +60,10 @@ def set_eager_mode(mode: str, *, max_ops: int = None, check_nans: bool = None, l
         if int(max_ops) < 1:
             raise ValueError(f"torchpjrt: max_ops must be at least 1, got {max_ops}")
         fusion.max_ops = int(max_ops)
+    if compile_after is not None:
+        if int(compile_after) < 1:
+            raise ValueError(f"torchpjrt: compile_after must be at least 1, got {compile_after}")
+        fusion.compile_after = int(compile_after)
     _set_debug_options(check_nans, log_ops)
     with _lock:
         fusion.set_recording(mode == "fused")  # leaving fused mode runs what is pending
@@ -81,13 +88,15 @@ def _set_debug_options(nans, ops):
 
 @contextlib.contextmanager
 def eager_mode(mode: str, **options):
-    """`with torchpjrt.eager_mode("fused"): ...` then back to the previous mode."""
+    """`with torchpjrt.eager_mode("fused"): ...` then back to the previous mode and options."""
     previous = _mode
+    previous_options = {"max_ops": fusion.max_ops, "compile_after": fusion.compile_after,
+                        "check_nans": check_nans, "log_ops": log_ops}
     set_eager_mode(mode, **options)
     try:
         yield
     finally:
-        set_eager_mode(previous)
+        set_eager_mode(previous, **{k: previous_options[k] for k in options})
 
 
 def eager_stats() -> dict:
@@ -101,6 +110,7 @@ def eager_stats() -> dict:
         "ops_recorded": s["ops_recorded"],
         "ops_pending": fusion.pending_ops(),
         "graphs_compiled": s["graphs_compiled"],
+        "graphs_run_op_by_op": s["graphs_run_op_by_op"],
         "cache_hits": s["cache_hits"],
         "cache_misses": s["cache_misses"],
         "cached_graphs": len(fusion._compiled),

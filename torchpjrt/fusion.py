@@ -10,9 +10,19 @@ optimizer step, a data-dependent op, a mode change, or the size cap) `flush` tur
 graph into one function, jits it, and runs it. Only the values still referenced (by a storage
 or by Python) become outputs: temporaries that died stay inside the program, where XLA fuses
 them away. Compiled graphs are cached by structure (the node functions, their wiring and
-which values survive), so a training loop compiles in its first steps and then hits the cache.
+which values survive) and input shapes, so a training loop compiles in its first steps and
+then hits the cache.
+
+A graph is compiled only when it comes back: the first time a structure meets its input
+shapes (`compile_after` sightings in all), its ops run one by one through their own kernels,
+as strict mode runs them. Compiling a whole graph costs far more than its ops' kernels, which
+other graphs and steps share, so a graph that never repeats (a region between data-dependent
+reads whose shapes follow the data, as an expert loop's routing) would make fused mode pay a
+large compile per flush for nothing; a graph that does repeat (a training step) is compiled
+one sighting later and fused from then on.
 """
 
+import os
 import threading
 import time
 import weakref
@@ -31,6 +41,9 @@ _lock = threading.RLock()
 _recording = False
 max_ops = 4096  # pending graph size that forces a flush
 cache_size = 512  # compiled graphs kept (least recently used are dropped)
+# sightings of a graph (structure and input shapes) before it is compiled; earlier ones run op by op
+compile_after = int(os.environ.get("TORCHPJRT_FUSED_COMPILE_AFTER", "2"))
+sightings_kept = 4096  # graphs seen but not compiled that are remembered (least recent dropped)
 
 
 class Pending:
@@ -102,10 +115,12 @@ def _has_pending(tree):
 
 
 class _Graph:
-    __slots__ = ("nodes", "inputs", "input_slots", "input_ids", "outputs", "storages", "n_slots", "task", "error")
+    __slots__ = ("nodes", "runners", "inputs", "input_slots", "input_ids", "outputs", "storages", "n_slots",
+                 "task", "error")
 
     def __init__(self):
         self.nodes = []  # (fn, treedef, input slots, first output slot); also the cache key
+        self.runners = []  # per node, the callable that runs it alone (a strict-mode kernel)
         self.inputs = []  # concrete values (jax arrays, numpy arrays, Python scalars)
         self.input_slots = []
         self.input_ids = {}  # id(array) -> slot, so an array used twice is one input
@@ -139,7 +154,8 @@ class _Graph:
 
 _graph = _Graph()
 _out_avals = {}  # (fn, treedef, input signature) -> (out treedef, [(shape, dtype, weak_type)])
-_compiled = OrderedDict()  # structure -> jitted replay
+_compiled = OrderedDict()  # (structure, input signature) -> jitted replay
+_sightings = OrderedDict()  # (structure, input signature) -> times run op by op so far
 _current_task = torch._C._current_graph_task_id
 
 
@@ -174,18 +190,19 @@ def call(fn, *args):
             return fn(*args)
         except jax.errors.JaxRuntimeError as e:
             raise device_error(e) from e
-    fn = getattr(fn, "traceable", fn)  # a kernel_cache.CachedKernel is traced as its jitted form
+    traced = getattr(fn, "traceable", fn)  # a kernel_cache.CachedKernel is traced as its jitted form
     leaves, treedef = jax.tree_util.tree_flatten(args)
-    return _add_node(fn, treedef, leaves, _output_avals(fn, treedef, leaves))
+    return _add_node(traced, fn, treedef, leaves, _output_avals(traced, treedef, leaves))
 
 
 def record_keyed(avals_cache, key, fn, args):
     """`call` for a caller whose `key` already fixes the argument shapes and dtypes."""
+    traced = getattr(fn, "traceable", fn)
     leaves, treedef = jax.tree_util.tree_flatten(args)
     entry = avals_cache.get(key)
     if entry is None:
-        entry = avals_cache[key] = _output_avals(fn, treedef, leaves)
-    return _add_node(fn, treedef, leaves, entry)
+        entry = avals_cache[key] = _output_avals(traced, treedef, leaves)
+    return _add_node(traced, fn, treedef, leaves, entry)
 
 
 def _output_avals(fn, treedef, leaves):
@@ -222,7 +239,7 @@ def _eval_shape(fn, treedef, leaves, sig):
     return out_treedef, [(a.shape, a.dtype, a.weak_type) for a in avals]
 
 
-def _add_node(fn, treedef, leaves, entry):
+def _add_node(fn, runner, treedef, leaves, entry):
     out_treedef, avals = entry
     with _lock:
         g = _graph
@@ -247,6 +264,7 @@ def _add_node(fn, treedef, leaves, entry):
         first = g.n_slots
         g.n_slots += len(avals)
         g.nodes.append((fn, treedef, tuple(refs), first))
+        g.runners.append(runner)
         pendings = [Pending(a[0], a[1], a[2], g, first + i) for i, a in enumerate(avals)]
         g.outputs.extend([weakref.ref(p) for p in pendings])
         stats["ops_recorded"] += 1
@@ -272,21 +290,31 @@ def flush(reason: str) -> None:
         _graph = _Graph()
         alive = [p for p in (ref() for ref in g.outputs) if p is not None]
         out_slots = tuple(p.slot for p in alive)
-        key = (tuple(g.nodes), tuple(g.input_slots), out_slots)
+        key = (tuple(g.nodes), tuple(g.input_slots), out_slots, tuple(_signature_of(x) for x in g.inputs))
         replay = _compiled.get(key)
-        if replay is None:
-            live_programs.release_if_due()
-            stats["cache_misses"] += 1
-            replay = _compiled[key] = _make_replay(g.nodes, g.input_slots, out_slots, g.n_slots)
-            if len(_compiled) > cache_size:
-                _compiled.popitem(last=False)
-        else:
+        if replay is not None:
             stats["cache_hits"] += 1
             _compiled.move_to_end(key)
+        else:
+            seen = _sightings.pop(key, 0) + 1
+            if seen < compile_after:
+                _sightings[key] = seen
+                if len(_sightings) > sightings_kept:
+                    _sightings.popitem(last=False)
+            else:
+                live_programs.release_if_due()
+                stats["cache_misses"] += 1
+                replay = _compiled[key] = _make_replay(g.nodes, g.input_slots, out_slots, g.n_slots)
+                if len(_compiled) > cache_size:
+                    _compiled.popitem(last=False)
         traced = stats["graphs_compiled"]
         t0 = time.perf_counter()
         try:
-            results = replay(*g.inputs)
+            if replay is None:
+                stats["graphs_run_op_by_op"] += 1
+                results = _run_op_by_op(g, out_slots)
+            else:
+                results = replay(*g.inputs)
         except Exception as e:
             g.error = e
             if isinstance(e, jax.errors.JaxRuntimeError):
@@ -309,6 +337,35 @@ def flush(reason: str) -> None:
         stats["flushes"] += 1
         stats["ops_flushed"] += len(g.nodes)
         flush_reasons[reason] += 1
+
+
+def _run_op_by_op(g, out_slots):
+    """The graph's values at `out_slots`, each node run by its own kernel (no graph compile).
+    A value is dropped after its last use, so memory peaks as in strict mode."""
+    unflatten = jax.tree_util.tree_unflatten
+    leaves_of = jax.tree_util.tree_leaves
+    env = [None] * g.n_slots
+    for slot, v in zip(g.input_slots, g.inputs):
+        env[slot] = v
+    last_use = {}
+    for i, node in enumerate(g.nodes):
+        for r in node[2]:
+            last_use[r] = i
+    wanted = set(out_slots)
+    for s in out_slots:
+        last_use.pop(s, None)
+    wanted.update(last_use)
+    drop_after = [[] for _ in g.nodes]
+    for slot, i in last_use.items():
+        drop_after[i].append(slot)
+    for (_, treedef, refs, first), runner, dead in zip(g.nodes, g.runners, drop_after):
+        result = runner(*unflatten(treedef, [env[r] for r in refs]))
+        for i, v in enumerate(leaves_of(result)):
+            if first + i in wanted:
+                env[first + i] = v
+        for slot in dead:
+            env[slot] = None
+    return [env[s] for s in out_slots]
 
 
 def _make_replay(nodes, input_slots, out_slots, n_slots):

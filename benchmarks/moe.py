@@ -1,0 +1,120 @@
+"""Mixture-of-experts training steps whose routing changes every step: pjrt strict and fused
+mode against torch CPU eager, with the XLA compiles each step triggers.
+
+    python benchmarks/moe.py [--models qwen2_moe,mixtral] [--steps 30] [--targets cpu,strict,fused]
+
+transformers' expert loop reads the routing on the host in every layer (`nonzero` of the
+expert mask, `torch.where`, a Python loop over the experts hit) and indexes the tokens each
+expert got, so every step meets new shapes. Each step draws a new batch. Every target runs in
+a fresh process with an empty cache directory (a user's first run), in turn, on the same
+batches and weights; ratios are of medians over the steady part (the last half of the steps).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+MODELS = ("qwen2_moe", "mixtral")
+TARGETS = ("cpu", "strict", "fused")
+
+
+def build(name):
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    common = dict(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+        max_position_embeddings=64, use_cache=False, attention_dropout=0.0, bos_token_id=0, eos_token_id=0,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    if name == "qwen2_moe":
+        config = transformers.Qwen2MoeConfig(
+            intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+            num_experts=4, num_experts_per_tok=2, **common)
+        return transformers.Qwen2MoeForCausalLM(config)
+    if name == "mixtral":
+        config = transformers.MixtralConfig(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2, **common)
+        return transformers.MixtralForCausalLM(config)
+    raise SystemExit(f"unknown model {name!r}: choose from {', '.join(MODELS)}")
+
+
+def worker(name, target, steps, batch, seq):
+    """One target in this process: per-step seconds and XLA compiles, as JSON on stdout."""
+    import jax
+    import torch
+
+    compiles = [0]
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _secs, **_: compiles.__setitem__(0, compiles[0] + (event == "/jax/core/compile/backend_compile_duration")))
+    device = "cpu" if target == "cpu" else "pjrt"
+    if device == "pjrt":
+        import torchpjrt
+
+        torchpjrt.set_eager_mode(target)
+    model = build(name).train().to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    seconds, per_step, losses = [], [], []
+    for _ in range(steps):
+        ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=gen).to(device)
+        before = compiles[0]
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        seconds.append(time.perf_counter() - t0)
+        per_step.append(compiles[0] - before)
+    json.dump({"seconds": seconds, "compiles": per_step, "losses": losses}, sys.stdout)
+
+
+def run_target(name, target, args):
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TORCHPJRT_CACHE_DIR=cache, JAX_COMPILATION_CACHE_DIR=cache)
+        out = subprocess.run(
+            [sys.executable, __file__, "--worker", name, target, str(args.steps), str(args.batch), str(args.seq)],
+            env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"{name} on {target} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        name, target, steps, batch, seq = sys.argv[2:7]
+        return worker(name, target, int(steps), int(batch), int(seq))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--targets", default=",".join(TARGETS))
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=32)
+    args = parser.parse_args()
+    targets = args.targets.split(",")
+    steady = slice(args.steps // 2, None)
+    print(f"{args.steps} steps, batch {args.batch} x {args.seq} tokens, a new batch each step; "
+          f"steady = median of steps {args.steps // 2 + 1}-{args.steps}")
+    print(f"{'model':10s}{'target':8s}{'first s':>9s}{'steady ms':>11s}{'vs cpu':>8s}{'total s':>9s}"
+          f"{'compiles: step 1':>18s}{'2-10':>6s}{'11-':>6s}{'last 10':>9s}{'max |dloss|':>13s}")
+    for name in args.models.split(","):
+        results = {t: run_target(name, t, args) for t in targets}
+        base = results.get("cpu")
+        for t, r in results.items():
+            s, c = r["seconds"], r["compiles"]
+            med = statistics.median(s[steady])
+            ratio = f"{med / statistics.median(base['seconds'][steady]):7.2f}x" if base else f"{'':>8s}"
+            dloss = max(abs(a - b) for a, b in zip(r["losses"], base["losses"])) if base else float("nan")
+            print(f"{name:10s}{t:8s}{s[0]:9.2f}{med * 1e3:11.1f}{ratio}{sum(s):9.2f}"
+                  f"{c[0]:18d}{sum(c[1:10]):6d}{sum(c[10:]):6d}{sum(c[-10:]):9d}{dloss:13.2e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
