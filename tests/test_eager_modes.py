@@ -412,3 +412,86 @@ def test_eager_stats_reports_what_the_issue_names():
     for key in ("mode", "ops_dispatched", "graphs_compiled", "cache_hits", "cache_misses", "compile_seconds",
                 "flush_reasons"):
         assert key in stats
+
+
+# ---- which graphs are compiled ---------------------------------------------------------------
+
+
+def test_a_graph_seen_once_runs_op_by_op_with_strict_results():
+    x = torch.randn(7, 3).to(DEV)
+
+    def program():
+        return ((x * 1.5).sin() @ x.t()).softmax(-1).sum(0)
+
+    strict = program().cpu()
+    torchpjrt.set_eager_mode("fused")
+    before = torchpjrt.eager_stats()
+    first = program().cpu()
+    after = torchpjrt.eager_stats()
+    assert after["graphs_run_op_by_op"] == before["graphs_run_op_by_op"] + 1
+    assert after["graphs_compiled"] == before["graphs_compiled"]
+    assert torch.equal(first, strict)  # the same kernels as strict mode, bit for bit
+    second = program().cpu()  # the graph came back: compiled now, and a cache hit afterwards
+    assert torchpjrt.eager_stats()["graphs_compiled"] == before["graphs_compiled"] + 1
+    program().cpu()
+    assert torchpjrt.eager_stats()["graphs_compiled"] == before["graphs_compiled"] + 1
+    torch.testing.assert_close(second, strict, rtol=1e-6, atol=1e-6)
+
+
+def test_shapes_that_follow_the_data_compile_no_graph():
+    # an expert-loop-like region: a host read picks rows, whose count changes every iteration
+    torchpjrt.set_eager_mode("fused")
+    w = torch.randn(4, 4).to(DEV)
+    counts = [3, 5, 2, 6, 4, 1, 7]
+    outs, expected = [], []
+    before = torchpjrt.eager_stats()["graphs_compiled"]
+    for n in counts:
+        mask = torch.arange(8) < n
+        x = torch.randn(8, 4)
+        rows = x.to(DEV)[mask.to(DEV)]  # a data-dependent shape: flushes before and after
+        outs.append(((rows @ w).relu() * 2).sum(0).cpu())
+        expected.append(((x[mask] @ w.cpu()).relu() * 2).sum(0))
+    assert torchpjrt.eager_stats()["graphs_compiled"] == before  # each graph was new: op by op
+    for o, e in zip(outs, expected):
+        torch.testing.assert_close(o, e, rtol=1e-5, atol=1e-5)
+
+
+def test_compile_after_one_compiles_at_first_sighting_and_is_restored():
+    default = fusion.compile_after
+    y = torch.arange(4.0, device=DEV)
+    with torchpjrt.eager_mode("fused", compile_after=1):
+        before = torchpjrt.eager_stats()["graphs_compiled"]
+        assert ((y * 5.5 + 0.25) ** 2).cpu().tolist() == [(v * 5.5 + 0.25) ** 2 for v in range(4)]
+        assert torchpjrt.eager_stats()["graphs_compiled"] == before + 1
+    assert fusion.compile_after == default
+    with pytest.raises(ValueError, match="compile_after must be at least 1"):
+        torchpjrt.set_eager_mode("fused", compile_after=0)
+
+
+def test_op_by_op_drops_values_after_their_last_use(monkeypatch):
+    # a chain of 40 ops on 1 MB: at most a few intermediates are alive at any op
+    x = torch.ones(256, 1024).to(DEV)
+    torch.pjrt.synchronize()
+    alive = []
+    real = fusion._run_op_by_op
+
+    def watching(g, out_slots):
+        runners = g.runners
+
+        def watch(runner):
+            def run(*args):
+                alive.append(len(jax.live_arrays()))
+                return runner(*args)
+            return run
+
+        g.runners = [watch(r) for r in runners]
+        return real(g, out_slots)
+
+    monkeypatch.setattr(fusion, "_run_op_by_op", watching)
+    torchpjrt.set_eager_mode("fused")
+    base = len(jax.live_arrays())
+    y = x
+    for i in range(40):
+        y = y * 1.01 + 0.5
+    assert y.sum().item() > 0
+    assert len(alive) > 40 and max(alive) - base <= 4, (base, alive)

@@ -58,6 +58,9 @@ def jax_devices():
         with _lock:
             if _devices is None:
                 platform = _requested_platform()
+                from .distributed import chips
+
+                chips.prepare()  # under torchrun on a TPU host: this rank's chip, before libtpu starts
                 try:
                     devs = jax.local_devices(backend=platform)
                 except RuntimeError as e:

@@ -31,6 +31,8 @@ from datetime import timedelta
 
 import jax
 
+from . import chips
+
 _COORDINATOR_KEY = "torchpjrt/jax_coordinator"
 _HEARTBEAT_KEY = "torchpjrt/alive/{}"
 _EXIT_DIR = "torchpjrt/exit"  # in JAX's key-value store: one key per rank that reached exit
@@ -114,10 +116,10 @@ def initialize(store, rank: int, world_size: int, timeout: timedelta) -> None:
         else:
             address = store.get(_COORDINATOR_KEY).decode()
         kwargs = {}
-        platform = os.environ.get("TORCHPJRT_PLATFORM", "")
-        local_rank = os.environ.get("LOCAL_RANK")
-        if local_rank is not None and platform in ("gpu", "cuda", "rocm"):
-            kwargs["local_device_ids"] = [int(local_rank)]  # one accelerator per process
+        chips.prepare()  # TPU: this rank's chip bounds, read when libtpu starts
+        local_ids = chips.gpu_local_device_ids()
+        if local_ids is not None:
+            kwargs["local_device_ids"] = local_ids  # GPU: one per process, by LOCAL_RANK
         seconds = max(int(timeout.total_seconds()), 1)
         with _client_without_shutdown_barrier() as built:
             jax.distributed.initialize(
