@@ -72,9 +72,10 @@ def assert_all_ok(results):
 
 @pytest.mark.slow
 @pytest.mark.timeout(130)
-@pytest.mark.parametrize("world", [2, 4])
-def test_collectives_subgroups_async_mpmd_and_mismatch(world):
-    results = launch("collectives", world, timeout=120)
+@pytest.mark.parametrize("world,reductions", [(2, "gloo"), (4, "gloo"), (2, "xla")])
+def test_collectives_subgroups_async_mpmd_and_mismatch(world, reductions):
+    # CPU platform all_reduce goes through gloo on host copies, or XLA's own collective
+    results = launch("collectives", world, timeout=120, extra_env={"TORCHPJRT_CPU_COLLECTIVES": reductions})
     assert_all_ok(results)
     for _, _, result in results:
         assert result.get("checked", 0) >= (30 if world == 2 else 15), result
@@ -179,6 +180,21 @@ def worker_collectives():
         flags = torch.tensor([rank == 0, True], device=dev)
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)
         same(flags, torch.tensor([world == 1, True]))
+        for dtype in (torch.bfloat16, torch.float16):  # half types through gloo's host path as well
+            half = per_rank(rank, dtype=dtype).to(dev)
+            dist.all_reduce(half)
+            assert half.dtype == dtype
+            same(half.float(), stacked.sum(0).to(dtype).float())
+        bits = torch.tensor([rank + 1, 6, 2 ** 30 + rank], dtype=torch.int32)
+        every = torch.stack([torch.tensor([r + 1, 6, 2 ** 30 + r], dtype=torch.int32) for r in ranks])
+        for op, fold in ((dist.ReduceOp.BAND, torch.bitwise_and), (dist.ReduceOp.BOR, torch.bitwise_or),
+                         (dist.ReduceOp.BXOR, torch.bitwise_xor)):
+            t = bits.to(dev)
+            dist.all_reduce(t, op=op)
+            want = every[0]
+            for row in every[1:]:
+                want = fold(want, row)
+            same(t, want)
         scalar = torch.tensor(float(rank), device=dev)
         dist.all_reduce(scalar)
         same(scalar, torch.tensor(float(sum(ranks))))

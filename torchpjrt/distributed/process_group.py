@@ -291,7 +291,11 @@ class ProcessGroupPJRT(dist.ProcessGroup):
         description = self._agree(f"all_reduce {name} " + ",".join(_describe(t) for t in tensors))
         outs = []
         for t in tensors:
-            out = collectives.all_reduce(_reduced_input(t, op), self._devices, name)
+            local = _reduced_input(t, op)
+            if collectives.reduces_on_host(self._devices, name, local.dtype):
+                out = collectives.host_all_reduce(local, t.dtype, self._cpu_group(), name, self._devices[self.rank()])
+            else:
+                out = collectives.all_reduce(local, self._devices, name)
             storage.write(t, out)
             outs.append(out)
         return PjrtWork(outs, list(tensors), description)
