@@ -1,12 +1,13 @@
-"""Step time of the three eager modes versus torch CPU eager, measured side by side in one run.
+"""Step time of the three eager modes versus torch eager, measured side by side in one run.
 
-    python benchmarks/eager_modes.py [--rounds 5] [--steps 10]
+    python benchmarks/eager_modes.py [--rounds 5] [--steps 10] [--baseline cpu|cuda]
 
 Workloads:
   (a) MLP training step: Linear 256-512-512-10, GELU, batch 128, SGD;
   (b) small transformer training step: 2 encoder layers, d_model 256, 4 heads, seq 128,
       batch 8, causal mask, language-model loss, AdamW.
-Each step ends with `loss.item()`, as a training loop that logs its loss does. Rounds
+Each step ends with `loss.item()`, as a training loop that logs its loss does. The baseline
+is torch eager on the CPU, or with `--baseline cuda` on the machine's GPU. Rounds
 alternate between targets so machine drift hits all of them alike; ratios use medians.
 Also reported: graphs compiled per steady-state step in fused mode (0 means every step hits
 the compiled-graph cache).
@@ -21,9 +22,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchpjrt
-from eager_overhead import mlp_step_fn
+from eager_overhead import mlp_step_fn, sync
 
-TARGETS = ("cpu", "debug", "strict", "fused")
+MODES = ("debug", "strict", "fused")
 
 
 def mlp_workload(device):
@@ -65,33 +66,33 @@ def transformer_workload(device):
 
 
 def run(target, step, n):
-    device_mode = None if target == "cpu" else target
+    device_mode = target if target in MODES else None
     if device_mode:
         torchpjrt.set_eager_mode(device_mode)
     t0 = time.perf_counter()
     for _ in range(n):
         step()
-    if device_mode:
-        torch.pjrt.synchronize()
+    sync("pjrt" if device_mode else target)
     elapsed = (time.perf_counter() - t0) / n
     torchpjrt.set_eager_mode("strict")
     return elapsed
 
 
-def measure(name, make, rounds, steps):
+def measure(make, baseline, rounds, steps):
+    targets = (baseline,) + MODES
     steps_by_target = {}
-    for target in TARGETS:
-        device = "cpu" if target == "cpu" else "pjrt"
-        if target != "cpu":
+    for target in targets:
+        device = "pjrt" if target in MODES else target
+        if target in MODES:
             torchpjrt.set_eager_mode(target)
         steps_by_target[target] = make(device)
         torchpjrt.set_eager_mode("strict")
         run(target, steps_by_target[target], 3)  # warm-up: compiles
-    times = {t: [] for t in TARGETS}
+    times = {t: [] for t in targets}
     compiled_before = torchpjrt.eager_stats()["graphs_compiled"]
     fused_steps = 0
     for _ in range(rounds):
-        for target in TARGETS:
+        for target in targets:
             n = max(1, steps // 4) if target == "debug" else steps
             times[target].append(run(target, steps_by_target[target], n))
             fused_steps += n if target == "fused" else 0
@@ -104,16 +105,18 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--baseline", default="cpu", choices=("cpu", "cuda"), help="torch eager device to compare with")
     args = parser.parse_args()
+    base = args.baseline
     print(f"platform: {torch.pjrt.platform()} ({torch.pjrt.get_device_name()}); "
           f"medians of {args.rounds} interleaved rounds of {args.steps} steps")
-    header = f"{'workload':26s}" + "".join(f"{t:>12s}" for t in TARGETS)
-    header += f"{'strict/fused':>14s}{'fused/cpu':>11s}{'compiles/step':>15s}"
+    header = f"{'workload':26s}" + "".join(f"{t:>12s}" for t in (base,) + MODES)
+    header += f"{'strict/fused':>14s}{'fused/' + base:>12s}{'compiles/step':>15s}"
     print(header)
     for name, make in (("MLP step (SGD)", mlp_workload), ("transformer step (AdamW)", transformer_workload)):
-        med, cps = measure(name, make, args.rounds, args.steps)
-        row = f"{name:26s}" + "".join(f"{med[t] * 1e3:10.2f}ms" for t in TARGETS)
-        row += f"{med['strict'] / med['fused']:13.2f}x{med['fused'] / med['cpu']:10.2f}x{cps:15.2f}"
+        med, cps = measure(make, base, args.rounds, args.steps)
+        row = f"{name:26s}" + "".join(f"{med[t] * 1e3:10.2f}ms" for t in (base,) + MODES)
+        row += f"{med['strict'] / med['fused']:13.2f}x{med['fused'] / med[base]:11.2f}x{cps:15.2f}"
         print(row, flush=True)
 
 

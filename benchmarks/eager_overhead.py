@@ -1,12 +1,15 @@
-"""Eager overhead of the pjrt device versus torch CPU, measured side by side in one run.
+"""Eager overhead of the pjrt device versus torch eager, measured side by side in one run.
 
-    python benchmarks/eager_overhead.py
+    python benchmarks/eager_overhead.py [--baseline cpu|cuda]
 
 1. a 64x64 float32 add, time until the result is ready;
 2. an MLP training step (Linear 256-512-512-10, GELU, batch 128, SGD).
-Rounds alternate between targets so machine drift hits both alike; ratios use medians.
+The baseline is torch eager on the CPU, or with `--baseline cuda` on the same machine's GPU
+(what pjrt on a GPU competes with). Rounds alternate between targets so machine drift hits
+both alike; ratios use medians.
 """
 
+import argparse
 import statistics
 import time
 
@@ -18,8 +21,11 @@ import torchpjrt  # noqa: F401
 
 
 def sync(device):
+    """Wait until the device has finished what was issued (torch CPU eager is synchronous)."""
     if device == "pjrt":
         torch.pjrt.synchronize()
+    elif device == "cuda":
+        torch.cuda.synchronize()
 
 
 def time_add(device, n):
@@ -32,6 +38,8 @@ def time_add(device, n):
         c = a + b
         if device == "pjrt":
             storage.read(c).block_until_ready()
+        elif device == "cuda":
+            torch.cuda.synchronize()
     return (time.perf_counter() - t0) / n
 
 
@@ -75,7 +83,10 @@ def time_steps(step, device, n):
 
 
 def main():
-    devices = ["cpu", "pjrt"]
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline", default="cpu", choices=("cpu", "cuda"), help="torch eager device to compare with")
+    baseline = parser.parse_args().baseline
+    devices = [baseline, "pjrt"]
     add_t = {d: [] for d in devices}
     jax_t = []
     for d in devices:
@@ -94,12 +105,12 @@ def main():
             mlp_t[d].append(time_steps(steps[d], d, 10))
     med = {k: {d: statistics.median(v[d]) for d in devices} for k, v in (("add", add_t), ("mlp", mlp_t))}
     print(f"platform: {torch.pjrt.platform()}  ({torch.pjrt.get_device_name()})")
-    print(f"{'benchmark':28s} {'torch cpu':>12s} {'pjrt':>12s} {'pjrt/cpu':>9s}")
+    print(f"{'benchmark':28s} {'torch ' + baseline:>12s} {'pjrt':>12s} {'pjrt/' + baseline:>10s}")
     for name, label in (("add", "add 64x64 (until ready)"), ("mlp", "MLP train step (SGD)")):
-        c, p = med[name]["cpu"], med[name]["pjrt"]
-        print(f"{label:28s} {c * 1e6:10.1f}us {p * 1e6:10.1f}us {p / c:8.2f}x")
+        c, p = med[name][baseline], med[name]["pjrt"]
+        print(f"{label:28s} {c * 1e6:10.1f}us {p * 1e6:10.1f}us {p / c:9.2f}x")
     j = statistics.median(jax_t)
-    print(f"raw jax.jit add (until ready): {j * 1e6:.1f}us = {j / med['add']['cpu']:.2f}x torch cpu; "
+    print(f"raw jax.jit add (until ready): {j * 1e6:.1f}us = {j / med['add'][baseline]:.2f}x torch {baseline}; "
           f"pjrt / raw jax = {med['add']['pjrt'] / j:.2f}x")
 
 

@@ -1,7 +1,9 @@
-"""Training step time of the model suite on pjrt (strict, fused, compiled) versus torch CPU
-eager, and checkpoint throughput, measured side by side in one run.
+"""Training step time of the model suite on pjrt (strict, fused, compiled) versus torch eager
+(CPU, or the machine's GPU with --baseline cuda), and checkpoint throughput, measured side by
+side in one run.
 
     python benchmarks/models.py [--size tiny|small] [--models gpt2,llama,...] [--rounds 5] [--steps 5]
+                                [--baseline cpu|cuda]
 
 The models are the benchmark workloads of torchpjrt.bench.workloads (the same ones
 tests/models/ checks against the CPU): ResNet, DDPM-style UNet, and GPT-2, LLaMA, BERT, T5,
@@ -19,14 +21,15 @@ import time
 import torch
 
 import torchpjrt
+from eager_overhead import sync
 from torchpjrt.bench import workloads
 
-TARGETS = ("cpu", "strict", "fused", "compiled")
+MODES = ("strict", "fused", "compiled")
 DEFAULT_MODELS = ("resnet", "unet", "gpt2", "llama", "bert", "t5", "vit", "mixtral")
 
 
 def make_step(w, target):
-    device = "cpu" if target == "cpu" else "pjrt"
+    device = "pjrt" if target in MODES else target
     model = copy.deepcopy(w.model).train().to(device)
     forward = torch.compile(model, backend="pjrt") if target == "compiled" else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -52,23 +55,23 @@ def timed(target, step, n):
         t0 = time.perf_counter()
         for _ in range(n):
             step()
-        if target != "cpu":
-            torch.pjrt.synchronize()
+        sync("pjrt" if target in MODES else target)
     return (time.perf_counter() - t0) / n
 
 
-def measure_model(name, size, rounds, steps):
+def measure_model(name, size, rounds, steps, baseline="cpu"):
+    targets = (baseline,) + MODES
     torch.manual_seed(0)
     w = workloads.build(name, size, None, None)
     step_fns, first_step = {}, {}
-    for target in TARGETS:
+    for target in targets:
         torch._dynamo.reset()
         step_fns[target] = make_step(w, target)
         first_step[target] = timed(target, step_fns[target], 1)  # includes compiling
         timed(target, step_fns[target], 2)  # warm-up: the fused graphs and the optimizer's
-    times = {t: [] for t in TARGETS}
+    times = {t: [] for t in targets}
     for _ in range(rounds):
-        for target in TARGETS:
+        for target in targets:
             times[target].append(timed(target, step_fns[target], steps))
     return {t: statistics.median(v) for t, v in times.items()}, first_step
 
@@ -80,15 +83,17 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--checkpoint-mb", type=int, default=256, help="state dict size for the checkpoint part (0 skips it)")
+    parser.add_argument("--baseline", default="cpu", choices=("cpu", "cuda"), help="torch eager device to compare with")
     args = parser.parse_args()
+    base = args.baseline
     print(f"platform: {torch.pjrt.platform()} ({torch.pjrt.get_device_name()}); size {args.size}; "
           f"medians of {args.rounds} interleaved rounds of {args.steps} steps")
-    header = f"{'model':10s}{'cpu ms':>10s}" + "".join(f"{t + '/cpu':>14s}" for t in TARGETS[1:])
+    header = f"{'model':10s}{base + ' ms':>10s}" + "".join(f"{t + '/' + base:>14s}" for t in MODES)
     header += f"{'first compiled step':>22s}"
     print(header)
     for name in args.models.split(","):
-        med, first = measure_model(name, args.size, args.rounds, args.steps)
-        row = f"{name:10s}{med['cpu'] * 1e3:10.2f}" + "".join(f"{med[t] / med['cpu']:13.2f}x" for t in TARGETS[1:])
+        med, first = measure_model(name, args.size, args.rounds, args.steps, base)
+        row = f"{name:10s}{med[base] * 1e3:10.2f}" + "".join(f"{med[t] / med[base]:13.2f}x" for t in MODES)
         row += f"{first['compiled']:20.2f}s"
         print(row, flush=True)
 
