@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PARTS = ("env", "bench", "overhead", "modes", "tests", "models", "ddp")
 # each part's own limit in seconds; the overall budget cuts the last ones short
-LIMITS = {"env": 60, "bench": 180, "overhead": 45, "modes": 70, "tests": 90, "models": 60, "ddp": 90}
+LIMITS = {"env": 60, "bench": 180, "overhead": 45, "modes": 70, "tests": 100, "models": 70, "ddp": 90}
 
 ENV_PROBE = r"""
 import json, time, torch, jax

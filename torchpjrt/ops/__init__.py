@@ -45,7 +45,27 @@ from typing import Callable
 
 import torch
 
-aten = torch.ops.aten
+class _MissingOp:
+    """An aten op the installed PyTorch does not have (added by a later release): each of its
+    overloads is None, which lower() skips, so the table loads on older PyTorch versions."""
+
+    def __getattr__(self, overload):
+        return None
+
+
+class _InstalledAten:
+    """torch.ops.aten, with _MissingOp for the ops this PyTorch lacks."""
+
+    def __getattr__(self, name):
+        try:
+            packet = getattr(torch.ops.aten, name)
+        except AttributeError:
+            packet = _MissingOp()
+        setattr(self, name, packet)  # later lookups skip __getattr__
+        return packet
+
+
+aten = _InstalledAten()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +153,8 @@ def lower(*overloads, static=(), random=False, mutates=(), dynamic_shape=False, 
           check=None, traced=()):
     def register(fn):
         for op in overloads:
+            if op is None:
+                continue  # not in this PyTorch
             if isinstance(op, torch._ops.OpOverloadPacket):
                 raise TypeError(f"lower() needs overloads, got the packet {op}")
             if op in TABLE:
