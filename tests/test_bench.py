@@ -96,6 +96,22 @@ def test_agreement_flags_differences_and_nan():
     assert rows[2]["loss_rel_diff"] == pytest.approx(0.1)
 
 
+def test_agreement_is_judged_on_the_first_steps_and_a_late_nan_still_fails():
+    steps = results.AGREEMENT_STEPS
+    ref = [3.0 - 0.01 * i for i in range(steps + 40)]
+    drifted = ref[:steps] + [v * 1.03 for v in ref[steps:]]  # chaotic drift after the window
+    early = [ref[0] * 1.01] + ref[1:]  # a wrong first step
+    late_nan = ref[:-1] + [math.nan]
+    rows = [{"name": n, "status": "ok", "losses": l}
+            for n, l in (("cpu", ref), ("a", drifted), ("b", early), ("c", late_nan))]
+    results._add_agreement(rows, tolerance=1e-3)
+    a, b, c = rows[1:]
+    assert a["agrees"] is True and a["loss_rel_diff"] == 0.0
+    assert a["final_loss_rel_diff"] == pytest.approx(0.03) and a["max_loss_rel_diff"] == pytest.approx(0.03)
+    assert b["agrees"] is False and b["loss_rel_diff"] == pytest.approx(0.01)
+    assert c["agrees"] is False and math.isnan(c["loss_rel_diff"])
+
+
 def test_model_path_checks():
     assert "package.module:factory" in _check_model_path("no_colon_here")
     assert "no module named 'surely_not_a_module_xyz'" in _check_model_path("surely_not_a_module_xyz:make")

@@ -81,7 +81,7 @@ def _add_bench(commands):
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the batch stream (default: 0)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate for --task train (default: 1e-3)")
     p.add_argument("--tolerance", type=float, default=1e-3,
-                   help="largest relative difference of the final loss to the cpu target that counts as agreeing (default: 1e-3)")
+                   help="largest relative difference of the loss to the cpu target's over the first 10 steps that counts as agreeing (default: 1e-3)")
     p.add_argument("--timeout", type=float, default=900,
                    help="seconds a target may take to start or to run one round before it is stopped (default: 900)")
     p.add_argument("--prices", metavar="TOML", help="price table (default: the example table shipped in torchpjrt/bench/prices.toml)")
@@ -165,7 +165,7 @@ def build_compare_parser() -> argparse.ArgumentParser:
     p.add_argument("--reference", metavar="TARGET",
                    help="the target whose losses the others are compared with: a name from the merged table, or a "
                    "target name (taken from the first run that has it); default: the first run's cpu")
-    p.add_argument("--tolerance", type=float, help="largest relative difference of the final loss that counts as "
+    p.add_argument("--tolerance", type=float, help="largest relative difference of the loss over the first 10 steps that counts as "
                    "agreeing (default: the first run's)")
     p.add_argument("--prices", metavar="TOML", help="price every run with this table (default: each run keeps its own costs)")
     _add_budget(p)

@@ -11,7 +11,6 @@ import json
 import math
 
 from . import prices, results
-from .measure import relative_difference
 
 SCHEMA = "torchpjrt-bench-compare/1"
 
@@ -160,18 +159,9 @@ def _reference(rows: list[dict], wanted: str | None, first_label: str) -> str | 
 
 
 def _agreement(rows: list[dict], reference: str | None, tolerance: float) -> None:
-    for row in rows:
-        row.update(loss_rel_diff=None, max_loss_rel_diff=None, agrees=None)
     ref = next((r for r in rows if r["name"] == reference), None)
-    if ref is None:
-        return
     for row in rows:
-        if row["status"] != "ok":
-            continue
-        n = min(len(row["losses"]), len(ref["losses"]))  # runs may differ in steps: the common prefix
-        if n == 0:
-            continue
-        diffs = [relative_difference(a, b) for a, b in zip(row["losses"][:n], ref["losses"][:n])]
-        row["loss_rel_diff"] = diffs[-1]
-        row["max_loss_rel_diff"] = max(diffs)
-        row["agrees"] = bool(diffs[-1] <= tolerance) and not math.isnan(diffs[-1])
+        if ref is None or row["status"] != "ok":
+            row.update(results.loss_agreement([], [], tolerance))
+        else:
+            row.update(results.loss_agreement(row["losses"], ref["losses"], tolerance))

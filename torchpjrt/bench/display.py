@@ -8,6 +8,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 from rich.text import Text
 
+from .results import AGREEMENT_STEPS
+
 # ---- formatting (shared with the HTML report) -----------------------------------------------
 
 
@@ -285,7 +287,9 @@ def notes(result: dict) -> list[str]:
         lines.append(f"prices: {result['price_source']}")
     lines += result.get("version_notes") or []
     if result["reference"]:
-        lines.append(f"loss agreement: relative difference of the final loss to {result['reference']}, tolerance {result['tolerance']:g}")
+        lines.append(f"loss agreement: largest relative difference of the loss to {result['reference']} over the first "
+                     f"{AGREEMENT_STEPS} steps, tolerance {result['tolerance']:g} (later steps amplify float rounding "
+                     "in any two implementations; final-loss differences are in the JSON)")
     else:
         lines.append("loss agreement: n/a (the cpu target did not run)")
     return lines
