@@ -495,3 +495,36 @@ WORKERS = {"collectives": worker_collectives, "dead_rank": worker_dead_rank, "tr
 
 if __name__ == "__main__":
     WORKERS[sys.argv[1]]()
+
+
+def test_host_buffers_return_only_when_jax_lets_go():
+    """CPU-platform all_reduce results live in pooled host buffers: a buffer goes back to the
+    pool when the JAX array made from it is gone, never while it is alive."""
+    import gc
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    from torchpjrt.distributed import collectives
+
+    pool = collectives._HostBuffers()
+    saved, collectives._host_buffers = collectives._host_buffers, pool
+    try:
+        src = jnp.arange(4096, dtype=jnp.float32)
+        first = jax.dlpack.from_dlpack(collectives._host_copy(src, torch.float32))
+        gc.collect()
+        assert pool._idle == 0  # the array still reads that buffer
+        second = jax.dlpack.from_dlpack(collectives._host_copy(src * 2, torch.float32))
+        assert np.array_equal(np.asarray(first), np.arange(4096)) and np.array_equal(np.asarray(second), 2 * np.arange(4096))
+        address = first.unsafe_buffer_pointer()
+        del first
+        gc.collect()
+        assert pool._idle == 4096 * 4
+        third = jax.dlpack.from_dlpack(collectives._host_copy(src * 3, torch.float32))
+        assert third.unsafe_buffer_pointer() == address  # the same pages, used again
+        assert np.array_equal(np.asarray(second), 2 * np.arange(4096)) and np.array_equal(np.asarray(third), 3 * np.arange(4096))
+        assert pool._idle == 0
+    finally:
+        collectives._host_buffers = saved
