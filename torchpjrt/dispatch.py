@@ -537,12 +537,17 @@ def _host_scalar(t):
 
 
 def _freeze(v):
-    if isinstance(v, list):
-        return tuple(_freeze(x) for x in v)
+    """A hashable key for a static argument. True == 1 == 1.0 in a dict key, and the kernel for
+    each differs: plain ints stay as they are, other numbers carry their type."""
+    t = type(v)
+    if t is int:
+        return v
+    if t is list or t is tuple:
+        return tuple([x if type(x) is int else _freeze(x) for x in v])
     if isinstance(v, torch.Tensor):
         raise TypeError("tensor in a static position")
     if isinstance(v, (bool, int, float)):
-        return type(v), v  # True == 1 == 1.0 in a dict key; the kernel for each differs
+        return t, v
     return v
 
 
@@ -848,7 +853,6 @@ def _dtype_name(dt):
 
 # ---- views --------------------------------------------------------------------------------
 
-_view_cache = {}
 
 
 def _is_view_op(op) -> bool:
@@ -860,32 +864,42 @@ def _is_view_op(op) -> bool:
     return all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 
 
-def view_kernel(op, args, kwargs):
-    self = args[0]
-    try:
-        key = (op, self.shape, self.stride(), self.storage_offset(), self.dtype,
-               _freeze(list(args[1:])), tuple(sorted((k, _freeze(v)) for k, v in kwargs.items())))
-        hash(key)
-    except TypeError:
-        key = None
-    plan = _view_cache.get(key) if key is not None else None
-    if plan is None:
-        margs = [_to_meta(a) for a in args]
-        mkwargs = {k: _to_meta(v) for k, v in kwargs.items()}
+def make_view_kernel(op):
+    """A view op's kernel: the geometry PyTorch's meta kernel gives, kept per input geometry and
+    arguments, applied to the same storage (no device work)."""
+    plans = {}
+
+    def view_kernel(*args, **kwargs):
+        self = args[0]
         try:
-            with torch.no_grad():
-                res = op(*margs, **mkwargs)
-        except (AssertionError, ValueError) as e:
-            raise as_cpu_error(op, e) from None
-        is_list = isinstance(res, (list, tuple))
-        geoms = [(tuple(r.shape), r.stride(), r.storage_offset(), r.dtype) for r in (res if is_list else [res])]
-        plan = (is_list, geoms)
-        if key is not None:
-            _view_cache[key] = plan
-    is_list, geoms = plan
-    stats["view"] += 1
-    outs = [storage.alias(self, *g) for g in geoms]
-    return outs if is_list else outs[0]
+            key = (self.shape, self.stride(), self.storage_offset(), self.dtype, _freeze(args[1:]),
+                   tuple(sorted((k, _freeze(v)) for k, v in kwargs.items())) if kwargs else ())
+            plan = plans.get(key)
+        except TypeError:
+            key = plan = None
+        if plan is None:
+            plan = _view_plan(op, args, kwargs)
+            if key is not None:
+                plans[key] = plan
+        is_list, geoms = plan
+        stats["view"] += 1
+        if is_list:
+            return [storage.alias(self, *g) for g in geoms]
+        return storage.alias(self, *geoms[0])
+
+    return view_kernel
+
+
+def _view_plan(op, args, kwargs):
+    margs = [_to_meta(a) for a in args]
+    mkwargs = {k: _to_meta(v) for k, v in kwargs.items()}
+    try:
+        with torch.no_grad():
+            res = op(*margs, **mkwargs)
+    except (AssertionError, ValueError) as e:
+        raise as_cpu_error(op, e) from None
+    is_list = isinstance(res, (list, tuple))
+    return is_list, [(tuple(r.shape), r.stride(), r.storage_offset(), r.dtype) for r in (res if is_list else [res])]
 
 
 def inplace_view_kernel(op, args, kwargs):
@@ -945,6 +959,8 @@ def fallback(keyset, op, *args, **kwargs):
     handler = _handlers.get(op)
     if handler is None:
         handler = _handlers[op] = _classify(op)
+        if isinstance(handler, _direct):
+            _register_direct(op, handler.kernel)
     if eager.debug_enabled:
         return eager.run_debug(op, lambda *a, **k: handler(op, a, k), args, kwargs)
     return handler(op, args, kwargs)
@@ -956,7 +972,7 @@ def _classify(op):
     if torch.Tag.inplace_view in op.tags:
         return inplace_view_kernel
     if _is_view_op(op) or op in (aten._unsafe_view.default, aten.lift_fresh.default):
-        return view_kernel
+        return _direct(make_view_kernel(op))
     functional = _functional_of(op)
     if functional is not None and functional in TABLE and TABLE[functional].eager:
         return _direct(derived_kernel(op, functional))
@@ -970,8 +986,31 @@ def derived_kernel(op, functional):
     return make_out_kernel(op, functional, TABLE[functional])
 
 
-def _direct(kernel):
-    return lambda op, args, kwargs: kernel(*args, **kwargs)
+class _direct:
+    """A handler that calls a kernel of the op's own (registered for the op once found)."""
+
+    __slots__ = ("kernel",)
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __call__(self, op, args, kwargs):
+        return self.kernel(*args, **kwargs)
+
+
+_registered_late = set()
+_register_lock = threading.Lock()
+
+
+def _register_direct(op, kernel):
+    """Register the kernel the fallback found for `op` as the op's PrivateUse1 kernel, so that
+    later calls skip the boxed fallback (op lookups hash the OpOverload in Python). An op that
+    reaches the fallback has no composite kernel that a backend kernel would shadow."""
+    with _register_lock:
+        if op in _registered_late or not _libs or op.namespace != "aten":
+            return
+        _registered_late.add(op)
+        _libs[0].impl(_qualname(op), _instrumented(op, kernel), "PrivateUse1")
 
 
 def _slow_path(op, args, kwargs):

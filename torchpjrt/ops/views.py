@@ -1,7 +1,7 @@
 """Value semantics of view ops, for the graph paths (torch.compile, fused eager).
 
 In a functionalized graph a view op is just a function of its input's values. Eager
-execution never calls these: there, views alias storage (dispatch.view_kernel).
+execution never calls these: there, views alias storage (dispatch.make_view_kernel).
 """
 
 import math
