@@ -3,7 +3,10 @@
     python benchmarks/eager_overhead.py [--baseline cpu|cuda]
 
 1. a 64x64 float32 add, time until the result is ready;
-2. an MLP training step (Linear 256-512-512-10, GELU, batch 128, SGD).
+2. an MLP training step (Linear 256-512-512-10, GELU, batch 128, SGD);
+3. host cost per op by kind (elementwise, reduction, matmul, view, in-place) on 64x64 float32:
+   a loop of the op with one wait at the end, next to raw `jax.jit` of the same computation
+   (the floor any JAX-backed device pays) and torch eager; best of several repeats.
 The baseline is torch eager on the CPU, or with `--baseline cuda` on the same machine's GPU
 (what pjrt on a GPU competes with). Rounds alternate between targets so machine drift hits
 both alike; ratios use medians.
@@ -82,6 +85,44 @@ def time_steps(step, device, n):
     return (time.perf_counter() - t0) / n
 
 
+def op_kinds(baseline, n=2000, repeats=7):
+    """{kind: (pjrt s/op, jax.jit s/op, torch s/op)} for a loop of one op with a wait at the end."""
+    import jax
+    import jax.numpy as jnp
+    from torchpjrt import storage
+
+    a, b = torch.randn(64, 64, device="pjrt"), torch.randn(64, 64, device="pjrt")
+    ta, tb = a.to(baseline), b.to(baseline)
+    ja, jb = storage.read(a), storage.read(b)
+    add, row_sum, matmul, flat = (jax.jit(jnp.add), jax.jit(lambda x: x.sum(1)), jax.jit(jnp.matmul),
+                                  jax.jit(lambda x: x.reshape(4096)))
+    cases = {
+        "elementwise a + b": (lambda: a + b, lambda: ta + tb, lambda: add(ja, jb)),
+        "reduction a.sum(1)": (lambda: a.sum(1), lambda: ta.sum(1), lambda: row_sum(ja)),
+        "matmul a @ b": (lambda: a @ b, lambda: ta @ tb, lambda: matmul(ja, jb)),
+        "view a.view(4096)": (lambda: a.view(4096), lambda: ta.view(4096), lambda: flat(ja)),
+        "in-place a.add_(b)": (lambda: a.add_(b), lambda: ta.add_(tb), lambda: add(ja, jb)),
+    }
+    waits = {"pjrt": lambda r: storage.read(r).block_until_ready(), "jax": lambda r: r.block_until_ready(),
+             "torch": lambda r: sync(baseline)}
+
+    def per_op(fn, wait):
+        for _ in range(200):
+            r = fn()
+        wait(r)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                r = fn()
+            wait(r)
+            best = min(best, (time.perf_counter() - t0) / n)
+        return best
+
+    return {kind: (per_op(p, waits["pjrt"]), per_op(j, waits["jax"]), per_op(t, waits["torch"]))
+            for kind, (p, t, j) in cases.items()}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", default="cpu", choices=("cpu", "cuda"), help="torch eager device to compare with")
@@ -112,6 +153,10 @@ def main():
     j = statistics.median(jax_t)
     print(f"raw jax.jit add (until ready): {j * 1e6:.1f}us = {j / med['add'][baseline]:.2f}x torch {baseline}; "
           f"pjrt / raw jax = {med['add']['pjrt'] / j:.2f}x")
+    print("\nhost cost per op (a loop of the op, one wait at the end; best of 7)")
+    print(f"{'op kind':22s} {'pjrt':>9s} {'jax.jit':>9s} {'torch ' + baseline:>10s} {'pjrt/jit':>9s} {'pjrt/' + baseline:>10s}")
+    for kind, (p, jt, t) in op_kinds(baseline).items():
+        print(f"{kind:22s} {p * 1e6:7.1f}us {jt * 1e6:7.1f}us {t * 1e6:8.1f}us {p / jt:8.2f}x {p / t:9.2f}x")
 
 
 if __name__ == "__main__":
