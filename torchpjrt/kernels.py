@@ -212,7 +212,14 @@ class _Kernel:
             return fn(*full)
 
         structs = [jax.ShapeDtypeStruct(tuple(t.shape), dtypes.to_jax(t.dtype)) for t in tensors]
-        return jax.eval_shape(with_tensors, *structs)
+        # A JAX function may run torch code of its own while it is traced (Helion's jax_fn wraps
+        # its inputs in a meta-tensor subclass and compiles with fake tensors): it runs outside
+        # the caller's dispatch modes (torch.compile asks for shapes under FakeTensorMode) and
+        # with tensor subclasses dispatching (the eager kernels' shape inference disables them)
+        with torch.utils._python_dispatch._disable_current_modes(), \
+                torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.Python, False), \
+                torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.PythonTLSSnapshot, False):
+            return jax.eval_shape(with_tensors, *structs)
 
     def _outputs(self, result):
         outs = list(result) if isinstance(result, (tuple, list)) else [result]
