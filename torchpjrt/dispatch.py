@@ -854,7 +854,6 @@ def _dtype_name(dt):
 # ---- views --------------------------------------------------------------------------------
 
 
-
 def _is_view_op(op) -> bool:
     schema = op._schema
     if not schema.returns:

@@ -8,7 +8,6 @@ curve is compared with one reference target (by default the first run's `cpu`).
 """
 
 import json
-import math
 
 from . import prices, results
 
