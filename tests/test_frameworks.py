@@ -19,22 +19,29 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _script(code, *args, env=None, timeout=600):
     """Run `code` as a script file in a fresh interpreter (launchers such as Lightning's start it
-    again per rank); returns the JSON of each stdout line starting with RESULT."""
-    full_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
+    again per rank); returns the JSON of each stdout line starting with RESULT, then of each file
+    the script wrote into $RESULTS_DIR (ranks sharing one stdout pipe can interleave their lines)."""
     with tempfile.TemporaryDirectory() as directory:
+        results = os.path.join(directory, "results")
+        os.mkdir(results)
+        full_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "RESULTS_DIR": results, **(env or {})}
         path = os.path.join(directory, "program.py")
         with open(path, "w") as f:
             f.write(textwrap.dedent(code))
         r = subprocess.run([sys.executable, path, *args], capture_output=True, text=True,
                            timeout=timeout, env=full_env, cwd=ROOT)
-    assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-    return [json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+        assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+        found = [json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+        for name in sorted(os.listdir(results)):
+            with open(os.path.join(results, name)) as f:
+                found.append(json.load(f))
+    return found
 
 
 # ---- Lightning -------------------------------------------------------------------------------
 
 LIGHTNING = """
-import json, sys
+import json, os, sys
 import torch, lightning as L
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -73,7 +80,8 @@ result = {"rank": trainer.global_rank, "seen": sorted(model.devices_seen), "loss
 if int(sys.argv[2]) == 1:
     result["val"] = trainer.validate(model, loader, verbose=False)[0]["val_loss"]
     result["predictions"] = torch.cat([p.cpu() for p in trainer.predict(model, loader)]).tolist()
-print("RESULT " + json.dumps(result))
+with open(os.path.join(os.environ["RESULTS_DIR"], f"rank{trainer.global_rank}.json"), "w") as f:
+    json.dump(result, f)  # one file per rank: the ranks share one stdout
 """
 
 
