@@ -17,8 +17,10 @@ a part that runs out of time is reported with what it finished:
             the CPU, then benchmarks/models.py's step times for them
   ddp       a 2-process DDP run (one chip per process) when the machine has 2 chips
 
-It writes DIR/accelerator_check.json (every part: command, status, seconds, parsed figures,
-the tail of its output), DIR/accelerator_check.txt (a short report) and DIR/bench_gpt2.json.
+If `env` fails (torchpjrt cannot run one op there), the other parts are skipped at once rather
+than each failing the same way. It writes DIR/accelerator_check.json (every part: command,
+status, seconds, parsed figures, the tail of its output), DIR/accelerator_check.txt (a short
+report) and DIR/bench_gpt2.json.
 """
 
 import argparse
@@ -153,6 +155,10 @@ def main():
     records = []
     for name in parts:
         left = deadline - time.perf_counter()
+        if records and records[0]["part"] == "env" and records[0]["status"] != "ok":
+            # torchpjrt does not even run one op here: the other parts would fail the same way
+            records.append({"part": name, "status": "skipped: env failed", "seconds": 0, "output": ""})
+            continue
         if name == "ddp" and chips < 2:
             records.append({"part": name, "status": f"skipped: {chips} chip(s)", "seconds": 0, "output": ""})
             continue
