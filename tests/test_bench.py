@@ -543,3 +543,24 @@ def test_compare_report_renders_in_chromium(two_machines, tmp_path):
     dom = _rendered(paths["html"], tmp_path)
     assert dom.count('src="data:image/png;base64,') == 3  # step time, cost of the job, loss curves
     assert "Machine machine-a" in dom and "Machine machine-b" in dom and "Ranking" in dom
+
+
+@pytest.mark.slow  # fresh processes
+def test_accelerator_check_runs_its_parts_and_skips_after_a_failed_env(tmp_path):
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "accelerator_check.py")
+
+    def check(out, extra_env):
+        r = subprocess.run([sys.executable, script, "--out", str(out), "--parts", "env,overhead,ddp", "--budget", "200"],
+                           capture_output=True, text=True, timeout=400, env={**os.environ, **extra_env})
+        assert r.returncode == 0, r.stderr[-3000:]
+        summary = json.loads((out / "accelerator_check.json").read_text())
+        assert (out / "accelerator_check.txt").read_text().startswith("accelerator check:")
+        return {p["part"]: p for p in summary["parts"]}
+
+    parts = check(tmp_path / "ok", {})
+    assert parts["env"]["status"] == "ok" and parts["env"]["info"]["matmul_matches_cpu"] is True
+    assert parts["overhead"]["status"] == "ok" and "host cost per op" in parts["overhead"]["output"]
+    assert parts["ddp"]["status"].startswith("skipped")  # fewer than 2 chips
+    parts = check(tmp_path / "broken", {"TORCHPJRT_PLATFORM": "nosuch"})
+    assert parts["env"]["status"].startswith("failed") and "nosuch" in parts["env"]["output"]
+    assert parts["overhead"]["status"] == "skipped: env failed"
