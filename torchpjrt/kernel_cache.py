@@ -18,6 +18,7 @@ arguments as jit does. Entries live under $TORCHPJRT_CACHE_DIR/kernels/<environm
 TORCHPJRT_KERNEL_CACHE=off turns the layer off (JAX's cache alone then).
 """
 
+import functools
 import hashlib
 import os
 import pickle
@@ -40,7 +41,10 @@ _loading = threading.Lock()
 _loaded_by_jax = set()  # kernel keys whose executable came from JAX's persistent cache
 
 
-def _environment_tag() -> str:
+@functools.lru_cache(maxsize=None)
+def source_digest() -> str:
+    """A hash of torchpjrt's Python source: a developer's edit (or an upgrade that keeps the
+    version string) must not load programs or graphs an earlier source produced."""
     digest = hashlib.sha256()
     package = os.path.dirname(os.path.abspath(__file__))
     for dirpath, dirnames, files in os.walk(package):
@@ -49,6 +53,11 @@ def _environment_tag() -> str:
             if name.endswith(".py"):
                 with open(os.path.join(dirpath, name), "rb") as f:
                     digest.update(name.encode() + f.read())
+    return digest.hexdigest()
+
+
+def _environment_tag() -> str:
+    digest = hashlib.sha256(source_digest().encode())
     device = storage.default_device()
     # XLA's flags (a virtual device count, a TPU runtime's arguments) and the device set shape
     # what an executable may run on; JAX's matmul precision changes the programs themselves

@@ -7,6 +7,7 @@ into a single XLA program. Ops the table cannot lower make that graph run eagerl
 """
 
 import functools
+import operator
 import sys
 import time
 import warnings
@@ -303,6 +304,26 @@ def _eager(gm):
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
+def _partition(joint_module, joint_inputs, **kwargs):
+    """AOTAutograd's default partitioner, except that random ops inside activation-checkpointed
+    regions are saved for the backward instead of recomputed. PyTorch replays a recomputed random
+    op through run_and_save_rng_state / run_with_rng_state, which it implements for CUDA, CPU,
+    HPU and XPU only ("Backend not supported for pjrt"). Saving the values gives the backward
+    the forward's random numbers, as eager checkpointing's replay does, and costs the memory of
+    those values (a dropout mask per checkpointed dropout)."""
+    from torch._functorch.partitioners import default_partition
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    recomputed = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+    for node in joint_module.graph.nodes:
+        if (node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+                and node.meta.get("recompute") in recomputed):
+            # the op and the picks of its outputs (native_dropout's result and mask)
+            for saved in [node] + [u for u in node.users if u.target is operator.getitem]:
+                saved.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    return default_partition(joint_module, joint_inputs, **kwargs)
+
+
 def pjrt_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, options=None):
     """The Dynamo backend registered as "pjrt"."""
     from torch._dynamo.backends.common import aot_autograd
@@ -323,7 +344,7 @@ def pjrt_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, options=No
             OutputCode, lambda g, inputs: graph_cache.CompiledGraph(g, inputs, parsed, forward))
 
     compiler = aot_autograd(fw_compiler=compiler_for(True), bw_compiler=compiler_for(False),
-                            decompositions=_decompositions())
+                            decompositions=_decompositions(), partition_fn=_partition)
     with graph_cache.caching(parsed):
         return compiler(gm, example_inputs)
 

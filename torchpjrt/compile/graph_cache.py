@@ -185,8 +185,12 @@ def _unpickle_graph(payload: bytes) -> torch.fx.GraphModule:
 def _tag(options) -> str:
     from importlib.metadata import version
 
+    from .. import kernel_cache
+
     decompositions = sorted(str(op) for op in backend._decompositions())
-    text = repr((version("torchpjrt"), torch.__version__, decompositions, options))
+    # the source hash: graphs stored by another torchpjrt source (a partitioning or lowering
+    # change under the same version string) are not loaded
+    text = repr((version("torchpjrt"), kernel_cache.source_digest(), torch.__version__, decompositions, options))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
