@@ -151,7 +151,10 @@ def main():
                   "tests/test_semantics.py", "tests/test_training.py"],
         "models": [py, "-m", "pytest", "-v", "--tb=line", "-p", "no:cacheprovider",
                    "tests/models/test_models.py", "-k", "test_model_trains_like_cpu and (gpt2 or llama)"],
+        "ddp": ["torchrun", "--standalone", "--nproc_per_node=2", str(out / "ddp_worker.py")],
     }
+    models_speed = [py, str(HERE / "models.py"), "--models", "gpt2,llama", "--rounds", "3", "--steps", "3",
+                    "--checkpoint-mb", "0", "--baseline", baseline]
     records = []
     for name in parts:
         left = deadline - time.perf_counter()
@@ -165,28 +168,19 @@ def main():
         if left < 10:
             records.append({"part": name, "status": "skipped: budget spent", "seconds": 0, "output": ""})
             continue
-        limit = min(LIMITS[name], left)
         if name == "ddp":
-            script = out / "ddp_worker.py"
-            script.write_text(DDP_WORKER)
-            cmd = ["torchrun", "--standalone", "--nproc_per_node=2", str(script)]
-        else:
-            cmd = commands[name]
-        record = run_part(name, cmd, limit)
+            (out / "ddp_worker.py").write_text(DDP_WORKER)
+        record = run_part(name, commands[name], min(LIMITS[name], left))
         if name == "ddp":
-            script.unlink()
+            (out / "ddp_worker.py").unlink()
         if name in ("tests", "models"):
             record["counts"] = pytest_counts(record["output"])
         if name == "env":
             found = re.search(r"^ENV (.*)$", record["output"], re.M)
             record["info"] = json.loads(found.group(1)) if found else None
-        if name == "models" and time.perf_counter() < deadline - 30:
-            speed = run_part("models-speed", [py, str(HERE / "models.py"), "--models", "gpt2,llama", "--rounds", "3",
-                                              "--steps", "3", "--checkpoint-mb", "0", "--baseline", baseline],
-                             min(90, deadline - time.perf_counter()))
-            records.append(record)
-            record = speed
         records.append(record)
+        if name == "models" and time.perf_counter() < deadline - 30:
+            records.append(run_part("models-speed", models_speed, min(90, deadline - time.perf_counter())))
 
     summary = {"host": platform.node(), "python": sys.version.split()[0], "accelerator": {"kind": kind, "chips": chips},
                "baseline": baseline, "budget_s": args.budget, "parts": [dict(r, output=r["output"][-6000:]) for r in records]}
