@@ -324,9 +324,15 @@ class LoweredKernel:
                 if v.shape == st.shape and v.dtype == st.dtype and v.storage_offset() == 0 and v.is_contiguous():
                     dyn.append(st.array if st.array is not None else st.value())
                 else:
-                    # a view: its strided read is compiled into this op (no separate dispatch)
-                    key.append((st.shape, st.dtype, v.stride(), v.storage_offset()))
-                    dyn.append(st.value())
+                    # a view: its strided read is compiled into this op (no separate dispatch),
+                    # its offset an argument where it can be (storage.runtime_offset)
+                    offset = storage.runtime_offset(st, v)
+                    if offset is None:
+                        key.append((st.shape, st.dtype, v.stride(), v.storage_offset()))
+                        dyn.append(st.value())
+                    else:
+                        key.append((st.shape, st.dtype, v.stride()))
+                        dyn.append((st.value(), offset))
             elif k == SCALAR:
                 if scalar_is_static(v, i, static_positions):
                     key.append(("s", type(v), v))  # True == 1 == 1.0: the type tells them apart
@@ -626,7 +632,11 @@ def _view_reader(t):
     st = t.untyped_storage()._pjrt
     if storage.is_identity(t, st):
         return None
-    return storage.read_fn(st.shape, tuple(t.shape), t.stride(), t.storage_offset(), dtypes.to_jax(t.dtype))
+    read = storage.view_read_fn(st.shape, tuple(t.shape), t.stride(), dtypes.to_jax(t.dtype))
+    if storage.runtime_offset(st, t) is not None:
+        return lambda base_and_offset: read(*base_and_offset)  # as compute_keyed passes it
+    offset = t.storage_offset()
+    return lambda base: read(base, offset)
 
 
 def _returns_list(schema):

@@ -143,8 +143,11 @@ def _read_view(t, st):
         hit = views.get(key)
         if hit is not None and hit[0] == st.version:
             return hit[1]
-    base = st.value()
-    out = call(_reader(st.shape, *geometry, dtypes.to_jax(t.dtype)), base)
+    offset = runtime_offset(st, t)
+    if offset is None:
+        out = call(_reader(st.shape, *geometry[:2], dtypes.to_jax(t.dtype), geometry[2]), st.value())
+    else:
+        out = call(_reader(st.shape, *geometry[:2], dtypes.to_jax(t.dtype)), st.value(), offset)
     if type(out) is fusion.Pending:
         return out  # the read is fused into the pending graph; nothing to cache
     if views is None or len(views) > 64:
@@ -188,7 +191,11 @@ def write(t: torch.Tensor, value, allow_overlap=False) -> None:
         overlapping = tuple(s > 1 and d == 0 for s, d in zip(size, stride))
         value = call(_last_along_fn(overlapping), value)
         size = tuple(1 if o else s for o, s in zip(overlapping, size))
-    new = call(_writer(st.shape, size, stride, t.storage_offset(), dtypes.to_jax(st.dtype)), st.value(), value)
+    offset = runtime_offset(st, t) if size == tuple(t.shape) else None
+    if offset is None:
+        new = call(_writer(st.shape, size, stride, dtypes.to_jax(st.dtype), t.storage_offset()), st.value(), value)
+    else:
+        new = call(_writer(st.shape, size, stride, dtypes.to_jax(st.dtype)), st.value(), value, offset)
     st.replace(new)
 
 
@@ -331,18 +338,39 @@ def _in_view_elements(base, dtype):
     return reinterpret(base.reshape(-1), dtype)
 
 
-@functools.lru_cache(maxsize=4096)
-def _reader(base_shape, size, stride, offset, dtype):
-    return jax.jit(read_fn(base_shape, size, stride, offset, dtype))
+# A view's storage offset is a runtime argument of the programs that read or write it, so that
+# one program serves every offset of a geometry (rows of a buffer written in a loop, a KV cache,
+# the slices an op's out= lands in) instead of one compile per offset. Only offsets whose chunk
+# lies within the storage qualify: lax.dynamic_slice would clamp the others (they pad the
+# storage and keep the offset in the program).
 
 
 @functools.lru_cache(maxsize=4096)
-def read_fn(base_shape, size, stride, offset, dtype):
-    """The pure function reading a view's elements from its storage's array."""
+def _offset_limit(base_shape, base_itemsize, size, stride, itemsize):
+    """The largest offset at which a view of this geometry can take its offset at run time."""
+    n = math.prod(base_shape) * base_itemsize // itemsize  # the storage in the view's elements
+    plan = _chunk_plan(size, stride)
+    if plan is None:  # a gather: a valid view's indices lie within the storage at any offset
+        return n
+    return n - math.prod(plan[1])
+
+
+def runtime_offset(st, t):
+    """View `t`'s storage offset as a program argument (numpy int64), or None when it must be
+    compiled into the program."""
+    offset = t.storage_offset()
+    limit = _offset_limit(st.shape, st.dtype.itemsize, tuple(t.shape), t.stride(), t.dtype.itemsize)
+    return np.int64(offset) if offset <= limit else None
+
+
+@functools.lru_cache(maxsize=4096)
+def view_read_fn(base_shape, size, stride, dtype):
+    """read(base, offset): a view's elements from its storage's array. `offset` is an int, or a
+    traced one at most _offset_limit."""
     plan = _chunk_plan(size, stride)
     numel = math.prod(size)
 
-    def read(base):
+    def read(base, offset):
         if numel == 0:
             return jnp.zeros(size, dtype)
         base = _in_view_elements(base, dtype)
@@ -351,7 +379,7 @@ def read_fn(base_shape, size, stride, offset, dtype):
             return _view_dtype(flat[_flat_indices(size, stride, offset)], dtype)
         order, chunk_shape, take = plan
         length = math.prod(chunk_shape)
-        flat = _padded_flat(base, offset + length)
+        flat = _padded_flat(base, offset + length) if isinstance(offset, int) else base.reshape(-1)
         chunk = lax.dynamic_slice(flat, (offset,), (length,)).reshape(chunk_shape)
         x = chunk[tuple(slice(0, k) for k in take) + (0,)]
         # x's axes follow `order`; put them back in the view's dim order, then add the
@@ -365,18 +393,31 @@ def read_fn(base_shape, size, stride, offset, dtype):
 
 
 @functools.lru_cache(maxsize=4096)
-def _writer(base_shape, size, stride, offset, storage_dtype):
+def _reader(base_shape, size, stride, dtype, static_offset=None):
+    """read(base, offset), or read(base) at `static_offset`: compiled into the program (an
+    argument of the jitted function would be traced in fused mode)."""
+    read = view_read_fn(base_shape, size, stride, dtype)
+    if static_offset is None:
+        return jax.jit(read)
+    return jax.jit(lambda base: read(base, static_offset))
+
+
+@functools.lru_cache(maxsize=4096)
+def _writer(base_shape, size, stride, storage_dtype, static_offset=None):
+    """write(base, value, offset), or write(base, value) at `static_offset`: the storage's array
+    with the view's elements set to value."""
     plan = _chunk_plan(size, stride)
     base_numel = math.prod(base_shape)
 
-    def write_elements(flat, value):
+    def write_elements(flat, value, offset):
         """`flat` (1-D, of value's dtype) with the view's elements set to `value`."""
         if plan is None:
             return flat.at[_flat_indices(size, stride, offset)].set(value)
         order, chunk_shape, take = plan
         length = math.prod(chunk_shape)
         n = flat.shape[0]
-        flat = _padded_flat(flat, offset + length)
+        if static_offset is not None:
+            flat = _padded_flat(flat, offset + length)
         chunk = lax.dynamic_slice(flat, (offset,), (length,)).reshape(chunk_shape)
         v = value.reshape([size[d] for d in sorted(order)]) if order else value.reshape(())
         if order:
@@ -384,15 +425,17 @@ def _writer(base_shape, size, stride, offset, storage_dtype):
         chunk = chunk.at[tuple(slice(0, k) for k in take) + (0,)].set(v)
         return lax.dynamic_update_slice(flat, chunk.reshape(-1), (offset,))[:n]
 
-    def write(base, value):
+    def write(base, value, offset):
         if value.dtype.itemsize != jnp.dtype(storage_dtype).itemsize:
             # a view of another element size: write its elements into the storage's bytes
-            new = write_elements(reinterpret(base.reshape(-1), value.dtype), value)
+            new = write_elements(reinterpret(base.reshape(-1), value.dtype), value, offset)
             return reinterpret(new, storage_dtype)[:base_numel].reshape(base_shape)
         value = _view_dtype(value, storage_dtype)
-        return write_elements(base.reshape(-1), value)[:base_numel].reshape(base_shape)
+        return write_elements(base.reshape(-1), value, offset)[:base_numel].reshape(base_shape)
 
-    return jax.jit(write)
+    if static_offset is None:
+        return jax.jit(write)
+    return jax.jit(lambda base, value: write(base, value, static_offset))
 
 
 # ---- making tensors -----------------------------------------------------------------------
