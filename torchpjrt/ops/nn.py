@@ -11,6 +11,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import torch
 from jax import lax
 
 from ..dtypes import LOW_PRECISION
@@ -943,7 +944,8 @@ def avg_pool3d_backward(grad_output, self, kernel_size, stride, padding, ceil_mo
 # ---- upsampling ---------------------------------------------------------------------------
 # Each spatial axis is resampled on its own, innermost first (the order CPU's kernels
 # accumulate in), with source indices and weights computed in numpy the way CPU does
-# (float32 arithmetic for float32/bfloat16 inputs).
+# (float32 arithmetic for float32/bfloat16 inputs; uint8 images in fixed point, as CPU's
+# kernel for them, see _fixed_point_taps).
 
 
 def _opmath(x):
@@ -968,20 +970,23 @@ def _nearest_index(in_size, out_size, scale, exact):
     return np.minimum(np.floor(src).astype(np.int64), in_size - 1)
 
 
+def _resample_axis(x, axis, idx, w):
+    """x with `axis` replaced by sum_t x[idx[:, t]] * w[:, t] (w None: a plain gather)."""
+    shape = [1] * x.ndim
+    shape[axis] = -1
+    out = None
+    for t in range(idx.shape[1]):
+        term = jnp.take(x, jnp.asarray(idx[:, t]), axis=axis)
+        if w is not None:
+            term = term * jnp.asarray(w[:, t], x.dtype).reshape(shape)
+        out = term if out is None else out + term
+    return out
+
+
 def _resample(x, n, taps):
-    """x (..., *spatial) with each of its last n axes replaced by sum_t x[idx[:, t]] * w[:, t]."""
+    """x (..., *spatial) with each of its last n axes resampled by its (idx, w), innermost first."""
     for i in reversed(range(n)):
-        idx, w = taps[i]
-        axis = x.ndim - n + i
-        shape = [1] * x.ndim
-        shape[axis] = -1
-        out = None
-        for t in range(idx.shape[1]):
-            term = jnp.take(x, jnp.asarray(idx[:, t]), axis=axis)
-            if w is not None:
-                term = term * jnp.asarray(w[:, t], x.dtype).reshape(shape)
-            out = term if out is None else out + term
-        x = out
+        x = _resample_axis(x, x.ndim - n + i, *taps[i])
     return x
 
 
@@ -1040,39 +1045,154 @@ def _cubic_taps(in_size, out_size, align_corners, scale, t):
     return idx, w
 
 
-def _aa_filter_linear(x):
+def _linear_filter(x):
     x = np.abs(x)
     return np.where(x < 1, 1 - x, 0)
 
 
-def _aa_filter_cubic(x):
-    a, x = -0.5, np.abs(x)
-    return np.where(x < 1, ((a + 2) * x - (a + 3)) * x * x + 1,
-                    np.where(x < 2, (((x - 5) * x + 8) * x - 4) * a, 0))
+def _cubic_filter(a):
+    """Keys' cubic convolution kernel, in CPU's operation order (cubic_convolution1/2)."""
+
+    def filter_fn(x):
+        x = np.abs(x)
+        near = ((a + 2) * x - (a + 3)) * x * x + 1
+        far = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+        return np.where(x < 1, near, np.where(x < 2, far, 0))
+
+    return filter_fn
+
+
+def _sequential_sum(w):
+    """Row sums added left to right, as CPU's loop adds them (numpy's sum pairs them up)."""
+    total = np.zeros(w.shape[:1], w.dtype)
+    for j in range(w.shape[1]):
+        total = total + w[:, j]
+    return total
+
+
+def _aa_weights(filter_fn, interp_size, in_size, out_size, align_corners, scale, t):
+    """Antialiased windows: first source index, weights (the filter widened by the downscale
+    factor, normalized; zero past the window) and the largest weight."""
+    s = _source_scale(in_size, out_size, align_corners, scale, t)
+    support = t(interp_size * 0.5) * s if s >= 1 else t(interp_size * 0.5)
+    width = int(math.ceil(support)) * 2 + 1
+    invscale = t(1) / s if s >= 1 else t(1)
+    center = s * (np.arange(out_size) + 0.5).astype(t)
+    xmin = np.maximum((center - support + t(0.5)).astype(np.int64), 0)
+    xsize = np.clip(np.minimum((center + support + t(0.5)).astype(np.int64), in_size) - xmin, 0, width)
+    j = np.arange(width)[None]
+    w = filter_fn((j + xmin[:, None] - center[:, None] + t(0.5)) * invscale).astype(t)
+    w = np.where(j < xsize[:, None], w, t(0))
+    total = _sequential_sum(w)[:, None]
+    w = np.where(total != 0, w / np.where(total != 0, total, 1), w).astype(t)
+    return xmin, w, float(w.max(initial=0))
 
 
 def _aa_taps(filter_fn, interp_size):
     """Antialiased taps: the filter widened by the downscale factor, weights normalized."""
 
     def taps(in_size, out_size, align_corners, scale, t):
-        s = _source_scale(in_size, out_size, align_corners, scale, t)
-        support = t(interp_size * 0.5) * s if s >= 1 else t(interp_size * 0.5)
-        width = int(math.ceil(support)) * 2 + 1
-        invscale = t(1) / s if s >= 1 else t(1)
-        center = s * (np.arange(out_size) + 0.5).astype(t)
-        xmin = np.maximum((center - support + t(0.5)).astype(np.int64), 0)
-        xsize = np.clip(np.minimum((center + support + t(0.5)).astype(np.int64), in_size) - xmin, 0, width)
-        j = np.arange(width)[None]
-        w = filter_fn((j + xmin[:, None] - center[:, None] + t(0.5)) * invscale).astype(t)
-        w = np.where(j < xsize[:, None], w, t(0))
-        total = w.sum(1, keepdims=True)
-        w = np.where(total != 0, w / np.where(total != 0, total, 1), w).astype(t)
-        return np.clip(xmin[:, None] + j, 0, in_size - 1), w
+        xmin, w, _ = _aa_weights(filter_fn, interp_size, in_size, out_size, align_corners, scale, t)
+        return np.clip(xmin[:, None] + np.arange(w.shape[1]), 0, in_size - 1), w
 
     return taps
 
 
-def _interpolate(x, output_size, align_corners, scales, taps_fn):
+def _edge_merged_weights(filter_fn, interp_size, in_size, out_size, align_corners, scale, t):
+    """Windows without antialiasing, as CPU's uint8 kernel lays them out: the float path's taps
+    with those on source pixels outside the image added to the edge pixel's weight; the largest
+    weight counts the partial sums too."""
+    i0, lam = _guard(_source_index(in_size, out_size, align_corners, scale, t, interp_size > 2), in_size, t)
+    support = interp_size // 2
+    first = i0 - support + 1
+    xmin = np.maximum(first, 0)
+    xsize = np.clip(np.minimum(i0 + support + 1, in_size) - xmin, 0, interp_size)
+    rows = np.arange(out_size)
+    w = np.zeros((out_size, interp_size), t)
+    slot = np.zeros(out_size, np.int64)
+    largest = 0.0
+    for j in range(interp_size):
+        slot = np.where(first + j <= 0, 0, np.where(first + j >= in_size - 1, xsize - 1, slot))
+        w[rows, slot] += filter_fn(t(j + 1 - support) - lam)
+        largest = max(largest, float(w[rows, slot].max(initial=0)))
+        slot = slot + 1
+    return xmin, w, largest
+
+
+def _fixed_point_taps(filter_fn, interp_size, antialias):
+    """uint8 taps (CPU's _compute_index_ranges_int16_weights): float64 weights quantized to
+    int16 with as many fraction bits as the largest weight leaves room for; None for an axis
+    whose size doesn't change (CPU leaves it untouched, whatever the scale)."""
+    weights_fn = _aa_weights if antialias else _edge_merged_weights
+
+    def taps(in_size, out_size, align_corners, scale):
+        if in_size == out_size:
+            return None
+        xmin, w, largest = weights_fn(filter_fn, interp_size, in_size, out_size, align_corners, scale, np.float64)
+        bits = next((b for b in range(22) if int(0.5 + largest * (1 << (b + 1))) >= 1 << 15), 22)
+        v = w * (1 << bits)
+        w = np.where(v < 0, np.trunc(v - 0.5), np.trunc(v + 0.5)).astype(np.int32)
+        used = np.flatnonzero(w.any(0))
+        w = w[:, :used[-1] + 1 if used.size else 1]
+        return np.clip(xmin[:, None] + np.arange(w.shape[1]), 0, in_size - 1), w, bits
+
+    return taps
+
+
+def _resample_fixed_point(x, n, taps):
+    """uint8 images resampled axis by axis, innermost first: int32 sums, each axis rounded and
+    saturated back to uint8 before the next (CPU's Pillow-derived kernel)."""
+    x = x.astype(jnp.int32)
+    for i in reversed(range(n)):
+        if taps[i] is not None:
+            idx, w, bits = taps[i]
+            acc = _resample_axis(x, x.ndim - n + i, idx, w) + (1 << (bits - 1))
+            x = jnp.clip(acc >> bits, 0, 255)
+    return x.astype(jnp.uint8)
+
+
+def _cpu_runs_generic_uint8_kernel(channels):
+    # pjrt's oracle is the CPU kernel of this same machine, and which one runs depends on the
+    # capability PyTorch detected at startup: with AVX2 (AVX512 reuses the AVX2 kernels) the
+    # Pillow-SIMD kernel for up to 4 channels, otherwise the generic separable kernel. Both
+    # compute the same values except for the generic kernel's one-pixel-wide quirk below.
+    return channels > 4 or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512")
+
+
+def _cpu_thread_share(numel):
+    """The elements each thread gets when TensorIterator splits `numel` of them (at::parallel_for
+    over OpenMP, grain 32768), or all of them when it doesn't split."""
+    grain, threads = 32768, torch.get_num_threads()
+    if numel <= grain or threads == 1:
+        return numel
+    return -(-numel // min(threads, -(-numel // grain)))
+
+
+def _first_row_of_each_stretch(out):
+    """CPU's generic uint8 kernel, resizing the height of a one-pixel-wide image that is not
+    channels_last, loops down the height with the first row's source pixels and weights: each
+    stretch of rows it is handed (a whole column, or the part of one in a thread's share) gets
+    the value of its first row. pjrt sees values, not layouts, and takes every input as not
+    channels_last."""
+    n, c, h, _ = out.shape
+    flat = np.arange(n * c * h)
+    share = max(_cpu_thread_share(flat.size), 1)
+    first = np.maximum(flat // share * share, flat // h * h)
+    return out.reshape(-1)[jnp.asarray(first)].reshape(out.shape)
+
+
+def _interpolate_uint8(x, output_size, align_corners, scales, fixed_point_taps):
+    sizes = x.shape[-2:]
+    taps = [fixed_point_taps(sizes[i], output_size[i], align_corners, scales[i]) for i in range(2)]
+    out = _resample_fixed_point(x, 2, taps)
+    if taps[0] is not None and output_size[1] == 1 and _cpu_runs_generic_uint8_kernel(x.shape[1]):
+        out = _first_row_of_each_stretch(out)
+    return out
+
+
+def _interpolate(x, output_size, align_corners, scales, taps_fn, fixed_point_taps=None):
+    if x.dtype == jnp.uint8 and fixed_point_taps is not None:
+        return _interpolate_uint8(x, output_size, align_corners, scales, fixed_point_taps)
     n = len(output_size)
     xf = x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.integer) else _up(x)
     t = _opmath(xf)
@@ -1080,7 +1200,7 @@ def _interpolate(x, output_size, align_corners, scales, taps_fn):
     taps = [taps_fn(sizes[i], output_size[i], align_corners, scales[i], t) for i in range(n)]
     out = _resample(xf, n, taps)
     if jnp.issubdtype(x.dtype, jnp.integer):
-        # integer images (uint8): rounded and saturated, never wrapped around (bicubic overshoots)
+        # other integer images: rounded and saturated, never wrapped around (bicubic overshoots)
         info = jnp.iinfo(x.dtype)
         out = jnp.clip(jnp.round(out), info.min, info.max)
     return out
@@ -1102,10 +1222,10 @@ def _nearest_ops(fwd, bwd, exact):
         return _transpose(lambda x: _nearest(x, output_size, scales, exact), grad_output, input_size)
 
 
-def _interp_ops(fwd, bwd, taps_fn):
+def _interp_ops(fwd, bwd, taps_fn, fixed_point_taps=None):
     @lower(fwd)
     def interp(self, output_size, align_corners, *scales):
-        return _interpolate(self, output_size, align_corners, scales, taps_fn)
+        return _interpolate(self, output_size, align_corners, scales, taps_fn, fixed_point_taps)
 
     @lower(bwd)
     def interp_backward(grad_output, output_size, input_size, align_corners, *scales):
@@ -1119,13 +1239,16 @@ for _d in (1, 2, 3):
     _nearest_ops(getattr(aten, f"_upsample_nearest_exact{_d}d").default,
                  getattr(aten, f"_upsample_nearest_exact{_d}d_backward").default, exact=True)
 _interp_ops(aten.upsample_linear1d.default, aten.upsample_linear1d_backward.default, _linear_taps)
-_interp_ops(aten.upsample_bilinear2d.default, aten.upsample_bilinear2d_backward.default, _linear_taps)
+_interp_ops(aten.upsample_bilinear2d.default, aten.upsample_bilinear2d_backward.default, _linear_taps,
+            _fixed_point_taps(_linear_filter, 2, antialias=False))
 _interp_ops(aten.upsample_trilinear3d.default, aten.upsample_trilinear3d_backward.default, _linear_taps)
-_interp_ops(aten.upsample_bicubic2d.default, aten.upsample_bicubic2d_backward.default, _cubic_taps)
+# uint8 bicubic without antialiasing keeps the float path's A = -0.75; antialiased, Pillow's -0.5
+_interp_ops(aten.upsample_bicubic2d.default, aten.upsample_bicubic2d_backward.default, _cubic_taps,
+            _fixed_point_taps(_cubic_filter(-0.75), 4, antialias=False))
 _interp_ops(aten._upsample_bilinear2d_aa.default, aten._upsample_bilinear2d_aa_backward.default,
-            _aa_taps(_aa_filter_linear, 2))
+            _aa_taps(_linear_filter, 2), _fixed_point_taps(_linear_filter, 2, antialias=True))
 _interp_ops(aten._upsample_bicubic2d_aa.default, aten._upsample_bicubic2d_aa_backward.default,
-            _aa_taps(_aa_filter_cubic, 4))
+            _aa_taps(_cubic_filter(-0.5), 4), _fixed_point_taps(_cubic_filter(-0.5), 4, antialias=True))
 
 
 def _vec_output_size(x, output_size, scale_factors):
