@@ -462,3 +462,18 @@ def test_casts_and_integer_indexing_compile_and_a_copy_to_the_cpu_stays_eager():
     with pytest.warns(UserWarning, match="running a compiled graph eagerly"):
         out = to_host(x.to("pjrt"))
     assert out.device.type == "cpu" and torch.equal(out, x + 1)
+
+
+def test_shift_overloads():
+    """Every overload of << and >> (PyTorch's uint8 bicubic decomposition writes `1 << t`)."""
+    a = torch.tensor([1, -8, 100, 7, -1], dtype=torch.int32)
+    b = torch.tensor([0, 1, 3, 31, 40], dtype=torch.int32)
+    cases = [lambda x, y: x >> y, lambda x, y: x << y, lambda x, y: x >> 2, lambda x, y: x << 2,
+             lambda x, y: torch.bitwise_left_shift(1, y), lambda x, y: torch.bitwise_right_shift(1024, y),
+             lambda x, y: torch.bitwise_right_shift(x, 2), lambda x, y: torch.bitwise_left_shift(x, 3),
+             lambda x, y: x.to(torch.uint8) << 3]
+    for fn in cases:
+        want = fn(a, b)
+        for run in (fn, torch.compile(fn, backend="pjrt", fullgraph=True)):
+            got = run(a.to("pjrt"), b.to("pjrt")).cpu()
+            assert got.dtype == want.dtype and torch.equal(got, want), (want, got)

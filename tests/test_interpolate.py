@@ -120,3 +120,18 @@ def test_uint8_images_match_cpu_under_the_other_cpu_capability():
     if "capability not available" in r.stdout:
         pytest.skip(f"this CPU can't run PyTorch's {other} kernels")
     assert r.stdout.strip().endswith("ok"), r.stdout
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
+def test_uint8_images_under_compile(mode):
+    """Compiled graphs get PyTorch's own decomposition of the non-antialiased modes (its
+    Autograd kernel runs while AOTAutograd traces): within one level of CPU's fixed point."""
+    x, sizing = UINT8_CASES["7 from 33"]
+    fn = lambda t: F.interpolate(t, mode=mode, **sizing)  # noqa: E731
+    from torchpjrt import compile_stats
+
+    before = compile_stats().get("eager_graphs", 0)
+    got = torch.compile(fn, backend="pjrt")(x.to("pjrt")).cpu()
+    assert compile_stats().get("eager_graphs", 0) == before  # every op of the decomposition lowered
+    assert got.dtype == torch.uint8
+    assert (got.int() - fn(x).int()).abs().max() <= 1

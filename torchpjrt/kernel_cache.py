@@ -60,11 +60,14 @@ def _environment_tag() -> str:
     digest = hashlib.sha256(source_digest().encode())
     device = storage.default_device()
     # XLA's flags (a virtual device count, a TPU runtime's arguments) and the device set shape
-    # what an executable may run on; JAX's matmul precision changes the programs themselves
+    # what an executable may run on; JAX's matmul precision changes the programs themselves, and
+    # so do the CPU capability and thread count PyTorch's kernels run with (uint8 interpolation
+    # follows the CPU kernel they select)
     digest.update(repr((jax.__version__, jaxlib.__version__, torch.__version__, device.platform,
                         device.device_kind, str(device), jax.process_index(), jax.device_count(),
                         os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""),
-                        jax.config.jax_default_matmul_precision)).encode())
+                        jax.config.jax_default_matmul_precision, torch.backends.cpu.get_cpu_capability(),
+                        torch.get_num_threads())).encode())
     return digest.hexdigest()[:24]
 
 
