@@ -2,9 +2,12 @@
 mode against torch CPU eager, with the XLA compiles each step triggers.
 
     python benchmarks/moe.py [--models qwen2_moe,mixtral] [--steps 30] [--targets cpu,strict,fused]
+                             [--experts grouped_mm|eager]
 
-transformers' expert loop reads the routing on the host in every layer (`nonzero` of the
-expert mask, `torch.where`, a Python loop over the experts hit) and indexes the tokens each
+transformers' default experts implementation (`grouped_mm`) sorts the tokens by expert and
+calls `torch.nn.functional.grouped_mm` once per projection: the shapes stay the same whatever
+the routing. Its `eager` implementation loops over the experts hit, reading the routing on the
+host in every layer (`nonzero` of the expert mask, `torch.where`) and indexing the tokens each
 expert got, so every step meets new shapes. Each step draws a new batch. Every target runs in
 a fresh process with an empty cache directory (a user's first run), in turn, on the same
 batches and weights; ratios are of medians over the steady part (the last half of the steps).
@@ -23,7 +26,7 @@ MODELS = ("qwen2_moe", "mixtral")
 TARGETS = ("cpu", "strict", "fused")
 
 
-def build(name):
+def build(name, experts="grouped_mm"):
     import torch
     import transformers
 
@@ -37,15 +40,16 @@ def build(name):
     if name == "qwen2_moe":
         config = transformers.Qwen2MoeConfig(
             intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
-            num_experts=4, num_experts_per_tok=2, **common)
+            num_experts=4, num_experts_per_tok=2, experts_implementation=experts, **common)
         return transformers.Qwen2MoeForCausalLM(config)
     if name == "mixtral":
-        config = transformers.MixtralConfig(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2, **common)
+        config = transformers.MixtralConfig(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
+                                            experts_implementation=experts, **common)
         return transformers.MixtralForCausalLM(config)
     raise SystemExit(f"unknown model {name!r}: choose from {', '.join(MODELS)}")
 
 
-def worker(name, target, steps, batch, seq):
+def worker(name, target, steps, batch, seq, experts):
     """One target in this process: per-step seconds and XLA compiles, as JSON on stdout."""
     import jax
     import torch
@@ -58,7 +62,7 @@ def worker(name, target, steps, batch, seq):
         import torchpjrt
 
         torchpjrt.set_eager_mode(target)
-    model = build(name).train().to(device)
+    model = build(name, experts).train().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1)
     seconds, per_step, losses = [], [], []
@@ -80,7 +84,8 @@ def run_target(name, target, args):
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, TORCHPJRT_CACHE_DIR=cache, JAX_COMPILATION_CACHE_DIR=cache)
         out = subprocess.run(
-            [sys.executable, __file__, "--worker", name, target, str(args.steps), str(args.batch), str(args.seq)],
+            [sys.executable, __file__, "--worker", name, target, str(args.steps), str(args.batch), str(args.seq),
+             args.experts],
             env=env, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"{name} on {target} failed:\n{out.stderr[-3000:]}")
@@ -89,18 +94,21 @@ def run_target(name, target, args):
 
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        name, target, steps, batch, seq = sys.argv[2:7]
-        return worker(name, target, int(steps), int(batch), int(seq))
+        name, target, steps, batch, seq, experts = sys.argv[2:8]
+        return worker(name, target, int(steps), int(batch), int(seq), experts)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--targets", default=",".join(TARGETS))
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--experts", default="grouped_mm", choices=("grouped_mm", "eager"),
+                        help="transformers' experts implementation")
     args = parser.parse_args()
     targets = args.targets.split(",")
     steady = slice(args.steps // 2, None)
-    print(f"{args.steps} steps, batch {args.batch} x {args.seq} tokens, a new batch each step; "
+    print(f"experts_implementation={args.experts}, {args.steps} steps, batch {args.batch} x {args.seq} tokens, "
+          "a new batch each step; "
           f"steady = median of steps {args.steps // 2 + 1}-{args.steps}")
     print(f"{'model':10s}{'target':8s}{'first s':>9s}{'steady ms':>11s}{'vs cpu':>8s}{'total s':>9s}"
           f"{'compiles: step 1':>18s}{'2-10':>6s}{'11-':>6s}{'last 10':>9s}{'max |dloss|':>13s}")
