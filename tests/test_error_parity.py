@@ -38,6 +38,8 @@ CASES = {
         (torch.tensor([0, 1], device=d), torch.tensor([0, 1, 2], device=d)), torch.tensor(1.0, device=d)),
     "uint8 mask (deprecated)": lambda d: torch.ones(3, device=d)[torch.tensor([1, 0, 1], dtype=torch.uint8, device=d)],
     "in-place op that fits": lambda d: torch.ones(2, 3, device=d).remainder_(torch.ones(3, device=d)),
+    "clamp without bounds": lambda d: torch.clamp(torch.ones(3, device=d)),
+    "clamp_ without bounds": lambda d: torch.ones(3, device=d).clamp_(),
 }
 
 

@@ -252,6 +252,8 @@ def as_cpu_error(op, e):
     m = re.match(r"output with shape torch\.Size\((\[.*\])\) doesn't match the broadcast shape \((.*)\)$", msg)
     if m:
         return RuntimeError(f"output with shape {m.group(1)} doesn't match the broadcast shape [{m.group(2).rstrip(',')}]")
+    if msg == "clamp called but both min and max are none!":
+        return RuntimeError("torch.clamp: At least one of 'min' or 'max' must not be None")  # clamp_ too, as CPU
     if type(e) is RuntimeError:
         return e
     return RuntimeError(msg)  # AssertionError, ValueError: CPU's checks raise RuntimeError
