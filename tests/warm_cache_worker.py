@@ -1,6 +1,6 @@
 """One process of the warm-cache test (tests/test_warm_cache.py): OpInfo samples of every lowering
-family, and programs for the families OpInfo does not reach (foreach, GradScaler, fused
-optimizers, a compiled graph), against the kernel cache in TORCHPJRT_CACHE_DIR. Writes what it
+family, and programs for the families OpInfo does not reach (foreach, grouped_mm, GradScaler,
+fused optimizers, a compiled graph), against the kernel cache in TORCHPJRT_CACHE_DIR. Writes what it
 saw as JSON to argv[1]."""
 
 import json
@@ -41,6 +41,9 @@ def programs(device):
     out = {}
     a = torch.randn(4, 4).to(device)
     out["foreach"] = [t.cpu().tolist() for t in torch._foreach_mul([a, a + 1], 2.0)]
+    experts = torch.randn(2, 4, 4).to(device)
+    offsets = torch.tensor([1, 4], dtype=torch.int32, device=device)
+    out["grouped_mm"] = torch.nn.functional.grouped_mm(a, experts, offs=offsets).cpu().tolist()
     torch._assert_async(a.abs().sum() > 0, "a is not all zeros")
     out["assert_async"] = a.abs().sum().item()
     model = torch.nn.Linear(4, 2).to(device)
