@@ -321,9 +321,10 @@ class LoweredKernel:
                 except AttributeError:
                     self._odd_tensor_arg(v, key, dyn)
                     continue
-                key.append(v.shape)
-                key.append(v.dtype)
-                if v.shape == st.shape and v.dtype == st.dtype and v.storage_offset() == 0 and v.is_contiguous():
+                shape, dtype = v.shape, v.dtype
+                key.append(shape)
+                key.append(dtype)
+                if shape == st.shape and dtype is st.dtype and v.storage_offset() == 0 and v.is_contiguous():
                     dyn.append(st.array if st.array is not None else st.value())
                 else:
                     # a view: its strided read is compiled into this op (no separate dispatch),

@@ -144,8 +144,17 @@ class CachedKernel:
                     call = self._call = self._first_call(args)
                     if call is not self.traceable:
                         live_programs.hold(self)
+                        out = self._run(call, args)
+                        # the executable's C++ call, which Compiled.__call__ built: no Python
+                        # frame of JAX's on later calls
+                        if self._call is call and getattr(call, "_call", None) is not None:
+                            self._call = call._call
+                        return out
         if call is self.traceable:
             return call(*args)
+        return self._run(call, args)
+
+    def _run(self, call, args):
         try:
             return call(*args)
         except (TypeError, ValueError):
