@@ -60,3 +60,10 @@ def test_quantized_and_sparse_tensors_are_clear_errors():
         x.to_sparse()
     with pytest.raises(NotImplementedError, match="sparse layouts .* are not supported on the pjrt device"):
         x.to_sparse_csr()
+    # sparse tensors assembled from pjrt parts: their ops reach the sparse dispatch keys
+    csr = torch.sparse_csr_tensor(torch.tensor([0, 1, 2]), torch.tensor([0, 1]), torch.tensor([1.0, 2.0]),
+                                  size=(2, 2), device="pjrt")
+    with pytest.raises(NotImplementedError, match="sparse layouts .* are not supported on the pjrt device"):
+        csr @ torch.ones(2, 2, device="pjrt")
+    with pytest.raises(NotImplementedError, match="sparse layouts .* are not supported on the pjrt device"):
+        torch.sparse_coo_tensor(torch.tensor([[0, 1], [0, 1]]), torch.tensor([1.0, 2.0]), size=(2, 2), device="pjrt")

@@ -1100,6 +1100,10 @@ def _quantized_unsupported(keyset, op, *args, **kwargs):
     raise NotImplementedError(f"torchpjrt: {_UNSUPPORTED_KINDS[0][1]} ('{op._schema.name}.{op._overloadname}')")
 
 
+def _sparse_unsupported(keyset, op, *args, **kwargs):
+    raise NotImplementedError(f"torchpjrt: {_UNSUPPORTED_KINDS[1][1]} ('{op._schema.name}.{op._overloadname}')")
+
+
 def _unsupported(op, args, kwargs):
     if cpu_fallback_enabled():
         return cpu_fallback(op, args, kwargs)
@@ -1512,4 +1516,8 @@ def register():
     # quantize_per_tensor makes) reaches the QuantizedPrivateUse1 key: refused by name, instead of
     # the dispatcher's list of backends
     fb.fallback(_quantized_unsupported, dispatch_key="QuantizedPrivateUse1", with_keyset=True)
+    # sparse tensors built from pjrt parts (torch.sparse_csr_tensor(..., device="pjrt")): their
+    # ops reach the sparse keys, refused by name too
+    for key in ("SparsePrivateUse1", "SparseCsrPrivateUse1"):
+        fb.fallback(_sparse_unsupported, dispatch_key=key, with_keyset=True)
 
