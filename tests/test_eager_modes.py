@@ -495,3 +495,26 @@ def test_op_by_op_drops_values_after_their_last_use(monkeypatch):
         y = y * 1.01 + 0.5
     assert y.sum().item() > 0
     assert len(alive) > 40 and max(alive) - base <= 4, (base, alive)
+
+
+def test_graphs_that_come_back_far_apart_are_compiled_only_once_they_would_pay(monkeypatch):
+    """A generate()-like loop: one small graph per length, each length once per call. Their
+    second sightings are far apart (more than reuse_distance flushes), so they keep running op
+    by op until the dispatches they paid for reach their estimated compile cost."""
+    x = torch.arange(64.0).reshape(16, 4)  # integers: sums exact in any order
+
+    def call(device):
+        d = x.to(device)
+        return [(d[:n] * 2 + 1).sum().item() for n in range(1, 11)]  # 10 graphs of new shapes
+
+    expected = call("cpu")
+    torchpjrt.set_eager_mode("fused")
+    monkeypatch.setattr(fusion, "reuse_distance", 4)
+    before = torchpjrt.eager_stats()["graphs_compiled"]
+    assert call(DEV) == expected and call(DEV) == expected
+    assert torchpjrt.eager_stats()["graphs_compiled"] == before  # deferred: 10 compiles would not pay
+    assert fusion.stats["compiles_deferred"] >= 10
+    monkeypatch.setattr(fusion, "DISPATCH_SECONDS_PER_OP", 1.0)  # now every sighting pays for a compile
+    assert call(DEV) == expected
+    assert torchpjrt.eager_stats()["graphs_compiled"] >= before + 10
+    assert call(DEV) == expected

@@ -111,6 +111,7 @@ def eager_stats() -> dict:
         "ops_pending": fusion.pending_ops(),
         "graphs_compiled": s["graphs_compiled"],
         "graphs_run_op_by_op": s["graphs_run_op_by_op"],
+        "compiles_deferred": s["compiles_deferred"],
         "cache_hits": s["cache_hits"],
         "cache_misses": s["cache_misses"],
         "cached_graphs": len(fusion._compiled),

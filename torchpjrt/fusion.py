@@ -20,6 +20,13 @@ other graphs and steps share, so a graph that never repeats (a region between da
 reads whose shapes follow the data, as an expert loop's routing) would make fused mode pay a
 large compile per flush for nothing; a graph that does repeat (a training step) is compiled
 one sighting later and fused from then on.
+
+A graph that comes back only after many other graphs (`generate()`: one small graph per token,
+each length once per call) is compiled at its second sighting only when it returns within
+`reuse_distance` flushes. Otherwise it keeps running op by op until the dispatches it has paid
+for (an estimated cost per op) add up to what compiling it is estimated to cost (the compile
+seconds per op of the graphs this process compiled): fused mode then spends at most about what
+strict mode spends plus one compile, instead of a compile per graph that rarely pays back.
 """
 
 import os
@@ -44,6 +51,10 @@ cache_size = 512  # compiled graphs kept (least recently used are dropped)
 # sightings of a graph (structure and input shapes) before it is compiled; earlier ones run op by op
 compile_after = int(os.environ.get("TORCHPJRT_FUSED_COMPILE_AFTER", "2"))
 sightings_kept = 4096  # graphs seen but not compiled that are remembered (least recent dropped)
+reuse_distance = 32  # flushes within which a graph's return compiles it at compile_after
+DISPATCH_SECONDS_PER_OP = 15e-6  # what running a recorded op by its own kernel costs the host
+_compile_seconds_per_op = [2e-3, 0]  # estimate, and graphs measured (a prior until the first)
+_flushes_seen = 0
 
 
 class Pending:
@@ -155,7 +166,7 @@ class _Graph:
 _graph = _Graph()
 _out_avals = {}  # (fn, treedef, input signature) -> (out treedef, [(shape, dtype, weak_type)])
 _compiled = OrderedDict()  # (structure, input signature) -> jitted replay
-_sightings = OrderedDict()  # (structure, input signature) -> times run op by op so far
+_sightings = OrderedDict()  # (structure, input signature) -> [times run op by op, last flush, dispatch s paid]
 _current_task = torch._C._current_graph_task_id
 
 
@@ -292,21 +303,17 @@ def flush(reason: str) -> None:
         out_slots = tuple(p.slot for p in alive)
         key = (tuple(g.nodes), tuple(g.input_slots), out_slots, tuple(_signature_of(x) for x in g.inputs))
         replay = _compiled.get(key)
+        global _flushes_seen
+        _flushes_seen += 1
         if replay is not None:
             stats["cache_hits"] += 1
             _compiled.move_to_end(key)
-        else:
-            seen = _sightings.pop(key, 0) + 1
-            if seen < compile_after:
-                _sightings[key] = seen
-                if len(_sightings) > sightings_kept:
-                    _sightings.popitem(last=False)
-            else:
-                live_programs.release_if_due()
-                stats["cache_misses"] += 1
-                replay = _compiled[key] = _make_replay(g.nodes, g.input_slots, out_slots, g.n_slots)
-                if len(_compiled) > cache_size:
-                    _compiled.popitem(last=False)
+        elif _worth_compiling(key, len(g.nodes)):
+            live_programs.release_if_due()
+            stats["cache_misses"] += 1
+            replay = _compiled[key] = _make_replay(g.nodes, g.input_slots, out_slots, g.n_slots)
+            if len(_compiled) > cache_size:
+                _compiled.popitem(last=False)
         traced = stats["graphs_compiled"]
         t0 = time.perf_counter()
         try:
@@ -322,7 +329,9 @@ def flush(reason: str) -> None:
             raise
         finally:
             if stats["graphs_compiled"] != traced:
-                stats["compile_seconds"] += time.perf_counter() - t0
+                seconds = time.perf_counter() - t0
+                stats["compile_seconds"] += seconds
+                _note_compile(seconds, len(g.nodes))
         for p, r in zip(alive, results):
             if r.dtype != p.dtype or r.shape != p.shape:
                 raise RuntimeError(
@@ -337,6 +346,33 @@ def flush(reason: str) -> None:
         stats["flushes"] += 1
         stats["ops_flushed"] += len(g.nodes)
         flush_reasons[reason] += 1
+
+
+def _worth_compiling(key, n_ops) -> bool:
+    """Whether this sighting of a graph compiles it (the policy in the module's docstring);
+    otherwise the sighting is counted and the graph runs op by op."""
+    if compile_after <= 1:
+        _sightings.pop(key, None)
+        return True
+    seen, last, paid = _sightings.pop(key, None) or (0, None, 0.0)
+    seen += 1
+    paid += n_ops * DISPATCH_SECONDS_PER_OP
+    if seen >= compile_after:
+        if _flushes_seen - last <= reuse_distance or paid >= n_ops * _compile_seconds_per_op[0]:
+            return True
+        stats["compiles_deferred"] += 1
+    _sightings[key] = (seen, _flushes_seen, paid)
+    if len(_sightings) > sightings_kept:
+        _sightings.popitem(last=False)
+    return False
+
+
+def _note_compile(seconds, n_ops):
+    """The compile-cost estimate per op: the mean over the graphs this process compiled."""
+    estimate, measured = _compile_seconds_per_op
+    per_op = seconds / max(n_ops, 1)
+    _compile_seconds_per_op[:] = [per_op if not measured else (estimate * measured + per_op) / (measured + 1),
+                                  measured + 1]
 
 
 def _run_op_by_op(g, out_slots):
