@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from . import device_checks, fusion, storage
+from . import device_checks, fusion, live_programs, storage
 
 MODES = ("strict", "debug", "fused")
 
@@ -116,6 +116,7 @@ def eager_stats() -> dict:
         "cache_misses": s["cache_misses"],
         "cached_graphs": len(fusion._compiled),
         "compile_seconds": s["compile_seconds"],
+        "xla_compiles": live_programs.stats["xla_compiles"],  # every path's, since the process started
         "flushes": s["flushes"],
         "flush_reasons": dict(fusion.flush_reasons),
     }

@@ -20,7 +20,7 @@ from jax._src import core as jax_core  # trace_state_clean: whether a trace is i
 
 CHECK_EVERY = 256  # new programs between two readings of the mapping count
 RELEASE_AT = 0.5  # of vm.max_map_count
-stats = {"releases": 0, "programs_seen": 0}
+stats = {"releases": 0, "programs_seen": 0, "xla_compiles": 0}
 
 _lock = threading.Lock()
 _new_since_check = 0
@@ -85,6 +85,7 @@ def release_if_due() -> None:
 def _on_duration(event: str, duration: float, **kwargs) -> None:
     # fired for each XLA compile or load from JAX's persistent cache: a new executable
     if event == "/jax/core/compile/backend_compile_duration":
+        stats["xla_compiles"] += 1
         note_new_programs()
 
 
