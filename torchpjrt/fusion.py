@@ -166,7 +166,7 @@ class _Graph:
 _graph = _Graph()
 _out_avals = {}  # (fn, treedef, input signature) -> (out treedef, [(shape, dtype, weak_type)])
 _compiled = OrderedDict()  # (structure, input signature) -> jitted replay
-_sightings = OrderedDict()  # (structure, input signature) -> [times run op by op, last flush, dispatch s paid]
+_sightings = OrderedDict()  # (structure, input signature) -> (times run op by op, last flush, dispatch s paid)
 _current_task = torch._C._current_graph_task_id
 
 
@@ -293,7 +293,7 @@ def track(storage) -> None:
 
 def flush(reason: str) -> None:
     """Compile (or fetch from the cache) and run the pending graph; resolve its values."""
-    global _graph
+    global _graph, _flushes_seen
     with _lock:
         g = _graph
         if not g.nodes:
@@ -303,7 +303,6 @@ def flush(reason: str) -> None:
         out_slots = tuple(p.slot for p in alive)
         key = (tuple(g.nodes), tuple(g.input_slots), out_slots, tuple(_signature_of(x) for x in g.inputs))
         replay = _compiled.get(key)
-        global _flushes_seen
         _flushes_seen += 1
         if replay is not None:
             stats["cache_hits"] += 1
@@ -371,8 +370,7 @@ def _note_compile(seconds, n_ops):
     """The compile-cost estimate per op: the mean over the graphs this process compiled."""
     estimate, measured = _compile_seconds_per_op
     per_op = seconds / max(n_ops, 1)
-    _compile_seconds_per_op[:] = [per_op if not measured else (estimate * measured + per_op) / (measured + 1),
-                                  measured + 1]
+    _compile_seconds_per_op[:] = [(estimate * measured + per_op) / (measured + 1), measured + 1]
 
 
 def _run_op_by_op(g, out_slots):
