@@ -71,13 +71,16 @@ def jax_devices():
                     ) from None
                 # computations whose inputs are not yet on a device (factories) go here too
                 jax.config.update("jax_default_device", devs[0])
+                from . import placement
+
+                placement.register_devices(len(devs))  # more than one: PyTorch must know them
                 _devices = devs
     return _devices
 
 
 def jax_device(index=None):
     devs = jax_devices()
-    i = _current_device if index is None else index
+    i = current_device() if index is None else index
     if i < 0 or i >= len(devs):
         raise RuntimeError(f"pjrt:{i} does not exist: {len(devs)} pjrt device(s) on platform {platform()!r}")
     return devs[i]
@@ -171,20 +174,27 @@ def device_count() -> int:
 
 
 def current_device() -> int:
+    """The current pjrt device of this thread (as CUDA's, per thread; pjrt:0 at first)."""
+    from . import placement
+
+    if placement._guard_count:
+        return placement.native_library().torchpjrt_current_device()
     return _current_device
 
 
 def set_device(device) -> None:
+    """Make pjrt:N this thread's current device: where `device="pjrt"` puts tensors."""
     global _current_device
     index = _index(device)
     if index < 0:
         return  # like torch.cuda.set_device: a negative index selects nothing
-    if index != 0:
-        raise NotImplementedError(
-            "torchpjrt: only pjrt:0 can hold tensors in one process for now; run one process "
-            "per device (torch.distributed) to use several devices"
-        )
-    _current_device = index
+    from . import placement
+
+    placement.require(index)
+    if placement._guard_count:
+        placement.native_library().torchpjrt_set_current_device(index)
+    else:
+        _current_device = index
 
 
 class device:
@@ -195,7 +205,7 @@ class device:
         self.index = _index(device) if device is not None else -1
 
     def __enter__(self):
-        self.prev = _current_device
+        self.prev = current_device()
         if self.index >= 0:
             set_device(self.index)
         return self
@@ -217,7 +227,7 @@ class device_of(device):
 
 def _exchange_device(index: int) -> int:
     """Make `index` current and return the previous current device (-1: change nothing)."""
-    prev = _current_device
+    prev = current_device()
     if index >= 0:
         set_device(index)
     return prev
@@ -247,13 +257,13 @@ def _index(device):
     """The device index `device` names (an int, "pjrt", "pjrt:N", a torch.device); None and a
     device without an index name the current device."""
     if device is None:
-        return _current_device
+        return current_device()
     if isinstance(device, int):
         return device
     d = torch.device(device)
     if d.type != BACKEND_NAME:
         raise ValueError(f"Expected a pjrt device, but got: {d}")
-    return d.index if d.index is not None else _current_device
+    return d.index if d.index is not None else current_device()
 
 
 def _rng_device_index(device) -> int:
@@ -375,49 +385,51 @@ def get_amp_supported_dtype():
 
 
 # Random state lives in torchpjrt.random_state; these are the torch.cuda-style entry points.
-# The pjrt devices of a process share one generator (only pjrt:0 holds tensors; an SPMD
-# program over several devices draws from it once per op), so `device` arguments name a
-# device to check, and every device's state is that generator's state.
+# Each pjrt device has its own generator, as each CUDA device has (an SPMD program over a mesh
+# addressed as pjrt:0 draws from pjrt:0's). Naming a device that does not exist raises.
 def manual_seed(seed: int) -> None:
+    """Seed the current device's generator."""
     from . import random_state
 
-    random_state.manual_seed(int(seed))
+    random_state.manual_seed(int(seed), current_device())
 
 
 def manual_seed_all(seed: int) -> None:
-    manual_seed(seed)
+    from . import random_state
+
+    random_state.manual_seed_all(int(seed))
 
 
 def seed() -> None:
     from . import random_state
 
-    random_state.seed()
+    random_state.seed(current_device())
 
 
 def seed_all() -> None:
-    seed()
+    from . import random_state
+
+    random_state.seed_all()
 
 
 def initial_seed() -> int:
     from . import random_state
 
-    return random_state.initial_seed()
+    return random_state.initial_seed(current_device())
 
 
 def get_rng_state(device="pjrt") -> torch.Tensor:
-    """The generator's state as a 16-byte uint8 CPU tensor: seed and offset, two
+    """A device's generator state as a 16-byte uint8 CPU tensor: seed and offset, two
     little-endian uint64 (the layout of CUDA's Philox state, which DTensor reads)."""
     from . import random_state
 
-    _rng_device_index(device)
-    return random_state.get_state()
+    return random_state.get_state(_rng_device_index(device))
 
 
 def set_rng_state(new_state, device="pjrt") -> None:
     from . import random_state
 
-    _rng_device_index(device)
-    random_state.set_state(new_state)
+    random_state.set_state(new_state, _rng_device_index(device))
 
 
 def get_rng_state_all():

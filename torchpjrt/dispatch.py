@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch._ops import OpOverload
 
-from . import device_checks, dtypes, eager, fusion, kernel_cache, live_programs, random_state, storage
+from . import device_checks, dtypes, eager, fusion, kernel_cache, live_programs, placement, random_state, storage
 from .ops import TABLE, Lowering
 
 aten = torch.ops.aten
@@ -262,11 +262,29 @@ def as_cpu_error(op, e):
 # ---- lowered ops -----------------------------------------------------------------------------
 
 
-def _device_error(t):
+def _device_error(t, first="pjrt:0"):
     return RuntimeError(
         "Expected all tensors to be on the same device, but found at least two devices, "
-        f"pjrt:0 and {t.device}!"
+        f"{first} and {t.device}!"
     )
+
+
+def _target_index(device):
+    """The pjrt index a `device=` argument names (None or "pjrt": the current device), checked
+    to exist and be usable; None for another device type (PyTorch's own checks then speak)."""
+    if device is None:
+        from .device import current_device
+
+        return current_device()
+    d = device if isinstance(device, torch.device) else torch.device(device)
+    if d.type != "pjrt":
+        return None
+    if d.index is None:
+        from .device import current_device
+
+        return current_device()
+    placement.require(d.index)
+    return d.index
 
 
 class LoweredKernel:
@@ -300,6 +318,7 @@ class LoweredKernel:
         self._index_lists = frozenset(i for i, a in enumerate(args) if str(a.type) == "List[Optional[Tensor]]")
         # a factory (arange, eye, linspace, ...): its output is a new allocation
         self._factory = "device" in self.sig.names and self.n_inputs == self.sig.n
+        self._device_pos = self.sig.names.index("device") if "device" in self.sig.names else None
         self._call_check, self._signature_check = _ARGUMENT_CHECKS.get(op, (None, None))
 
     def compute(self, vals):
@@ -313,6 +332,8 @@ class LoweredKernel:
         key = []
         dyn = []
         static_positions = self._static_positions
+        multi = placement.multi
+        on = None  # with several devices in use: the pjrt index of the op's tensors
         for i, k in self.plan:
             v = vals[i]
             if k == TENSOR:
@@ -321,6 +342,12 @@ class LoweredKernel:
                 except AttributeError:
                     self._odd_tensor_arg(v, key, dyn)
                     continue
+                if multi:
+                    index = v.get_device()
+                    if on is None:
+                        on = index
+                    elif index != on:
+                        raise _device_error(v, f"pjrt:{on}")
                 shape, dtype = v.shape, v.dtype
                 key.append(shape)
                 key.append(dtype)
@@ -361,6 +388,12 @@ class LoweredKernel:
                         parts.append(("host", h.dtype))
                         arrays.append(h)
                     else:
+                        if multi:
+                            index = t.get_device()
+                            if on is None:
+                                on = index
+                            elif index != on:
+                                raise _device_error(t, f"pjrt:{on}")
                         parts.append((t.shape, t.dtype))
                         arrays.append(storage.read(t))
                 key.append(tuple(parts))
@@ -371,8 +404,16 @@ class LoweredKernel:
                 dyn.append([x.item() if isinstance(x, torch.Tensor) else x for x in v])
             else:
                 key.append(_freeze(v))
+        target = None  # a `device=` naming another device than the inputs'
+        if self._device_pos is not None:
+            # a factory runs on the device it names; a *_like op with device= moves its result
+            target = _target_index(vals[self._device_pos]) if (multi or vals[self._device_pos] is not None) else None
+            if target is not None and (on is None or target == on):
+                on, target = target, None
+        if on:
+            key.append(("pjrt", on))
         if self.lowering.random:
-            dyn.append(random_state.next_seed_offset())
+            dyn.append(random_state.next_seed_offset(on or 0))
         checked = self.lowering.check is not None and device_checks.enabled
         if checked:
             key.append("checked")
@@ -383,13 +424,17 @@ class LoweredKernel:
             fn = self._build(vals, key)
         stats["lowered"] += 1
         try:
-            if self.lowering.dynamic_shape and self.lowering.has_dynamic_shape(vals):
+            if on:
+                outs = self._run_on(on, fn, key, dyn, vals)
+            elif self.lowering.dynamic_shape and self.lowering.has_dynamic_shape(vals):
                 # data-dependent output shapes (nonzero, unique): the inputs must be known
                 outs = fn(*fusion.concrete_tree(dyn))
             elif fusion._recording:
                 outs = fusion.record_keyed(self.fused_avals, key, fn, dyn)
             else:
                 outs = fn(*dyn)
+            if target is not None:
+                outs = placement.commit(fusion.concrete_tree(outs), target)
         except TypeError as e:
             raise self._dtype_error(e, vals) from e
         except jax.errors.JaxRuntimeError as e:
@@ -399,6 +444,18 @@ class LoweredKernel:
             device_checks.record(outs[-1], self.lowering.check, self.op)
             outs = outs[:-1]
         return outs, key
+
+    def _run_on(self, index, fn, key, dyn, vals):
+        """The call for an op on pjrt:`index` > 0: its committed inputs pick the device; one
+        with none (a factory) runs under the device's default and is committed there."""
+        with placement.on(index):
+            if self.lowering.dynamic_shape and self.lowering.has_dynamic_shape(vals):
+                outs = fn(*fusion.concrete_tree(dyn))
+            elif fusion._recording:
+                outs = fusion.record_keyed(self.fused_avals, key, fn, dyn)
+            else:
+                outs = fn(*dyn)
+        return placement.commit(outs, index)
 
     def strides_for(self, key):
         """The strides of each new result for signature `key` (None: row-major), or None."""
@@ -843,6 +900,8 @@ def write_out(target, value):
     """Write a result into an `out=` tensor, resizing it the way PyTorch does."""
     if target.device.type != "pjrt":
         raise _device_error(target)
+    if placement.multi and placement.index_of(value) != target.get_device():
+        raise _device_error(target, f"pjrt:{placement.index_of(value)}")
     if tuple(target.shape) != tuple(value.shape):
         if target.numel() != 0:
             warnings.warn(
@@ -1197,18 +1256,11 @@ _handlers = {}
 # ---- the memory model's own primitives: factories, copies, item, resize_, set_ -----------
 
 
-def _check_device(device):
-    if device is not None:
-        d = torch.device(device)
-        if d.type == "pjrt" and d.index not in (None, 0):
-            from .device import device_count
-
-            if d.index >= device_count():
-                raise RuntimeError(f"pjrt:{d.index} does not exist: {device_count()} pjrt device(s)")
-            raise NotImplementedError(
-                f"torchpjrt: tensors on pjrt:{d.index}: only pjrt:0 is addressable in one process for "
-                "now; use one process per device (torch.distributed)"
-            )
+def _check_device(device) -> int:
+    """The pjrt index a factory's `device=` names (0 for another type: the dispatcher only
+    sends pjrt ones here)."""
+    index = _target_index(device)
+    return 0 if index is None else index
 
 
 def _check_allocation(meta_out):
@@ -1226,38 +1278,54 @@ def _format_strides(size, memory_format):
 
 
 def k_empty(size, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
-    _check_device(device)
+    index = _check_device(device)
     size = tuple(int(s) for s in size)
     if any(s < 0 for s in size):
         raise RuntimeError(f"Trying to create tensor with negative dimension {min(size)}: {list(size)}")
     if memory_format not in (None, torch.contiguous_format, torch.preserve_format):
         return k_empty_strided(size, _format_strides(size, memory_format), dtype=dtype, device=device)
-    return storage.empty(size, dtype or torch.get_default_dtype())
+    return storage.empty(size, dtype or torch.get_default_dtype(), index)
 
 
 def k_empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
-    _check_device(device)
+    index = _check_device(device)
     size, stride = tuple(int(s) for s in size), tuple(int(s) for s in stride)
     dtype = dtype or torch.get_default_dtype()
     if stride == storage.contiguous_strides(size):
-        return storage.empty(size, dtype)
+        return storage.empty(size, dtype, index)
     span = 1 + sum((s - 1) * st for s, st in zip(size, stride)) if all(size) else 0
-    base = storage.empty((span,), dtype)
+    base = storage.empty((span,), dtype, index)
     storage.set_geometry(base, size, stride, 0)
     return base
 
 
-def host_to_device(t: torch.Tensor):
-    """A JAX array on the pjrt device holding a CPU tensor's values (copied)."""
+def host_to_device(t: torch.Tensor, index: int = 0):
+    """A JAX array on pjrt:`index` holding a CPU tensor's values (copied)."""
     a = np.array(dtypes.numpy_from_cpu_tensor(t), copy=True)
-    _default_device()  # sets jax_default_device to the chosen platform's first device
+    default = _default_device()  # sets jax_default_device to the chosen platform's first device
+    if index:
+        from .device import jax_device
+
+        return jax.device_put(a, jax_device(index))  # committed: the ops on it run there
     # uncommitted: jit may move it next to arrays sharded over a mesh (distributed.spmd)
+    del default
     return jax.device_put(a)
+
+
+def device_value(t: torch.Tensor, index: int):
+    """Tensor `t`'s elements as an array on pjrt:`index`: read, copied from the host, or moved
+    from another pjrt device (after its pending work)."""
+    if t.device.type != "pjrt":
+        return host_to_device(t, index)
+    value = storage.read(t)
+    if placement.multi and t.get_device() != index:
+        value = placement.commit(fusion.concrete(value, "device_copy"), index)
+    return value
 
 
 def k_copy_(self, src, non_blocking=False):
     if self.device.type == "pjrt":
-        value = storage.read(src) if src.device.type == "pjrt" else host_to_device(src)
+        value = device_value(src, max(self.get_device(), 0))
         _check_broadcast(tuple(value.shape), tuple(self.shape))
         storage.write(self, value)
         return self
@@ -1304,8 +1372,8 @@ def k_to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, no
     target = torch.device(device) if device is not None else self.device
     stride = _copy_strides(self, memory_format)
     if target.type == "pjrt":
-        _check_device(target)
-        value = storage.read(self) if self.device.type == "pjrt" else host_to_device(self)
+        index = _check_device(target)  # "pjrt" alone: the current device, as CUDA's ensure_has_index
+        value = device_value(self, index)
         jd = dtypes.to_jax(dtype)
         if value.dtype != jd:
             value = storage._cast(value, jd)
@@ -1347,8 +1415,8 @@ def k_local_scalar_dense(self):
 
 
 def k_equal(self, other):
-    if self.device.type != other.device.type:
-        raise _device_error(other if other.device.type != "pjrt" else self)
+    if self.device != other.device:
+        raise _device_error(other if other.device.type != "pjrt" else self, str(self.device))
     if self.shape != other.shape:
         return False
     equal = bool(fusion.concrete(fusion.call(_array_equal, storage.read(self), storage.read(other)), "item"))
@@ -1399,7 +1467,7 @@ def _check_pjrt_storage(source):
 
 
 def k_set_empty(self):
-    fresh = storage.empty((0,), self.dtype)
+    fresh = storage.empty((0,), self.dtype, max(self.get_device(), 0))
     return k_set_source_tensor(self, fresh)
 
 

@@ -29,6 +29,7 @@ seconds per op of the graphs this process compiled): fused mode then spends at m
 strict mode spends plus one compile, instead of a compile per graph that rarely pays back.
 """
 
+import contextlib
 import os
 import threading
 import time
@@ -39,12 +40,13 @@ import jax
 import numpy as np
 import torch
 
-from . import live_programs
+from . import live_programs, placement
 
 stats = Counter()  # shown by torchpjrt.eager_stats()
 flush_reasons = Counter()
 
 _lock = threading.RLock()
+_NO_CONTEXT = contextlib.nullcontext()
 _recording = False
 max_ops = 4096  # pending graph size that forces a flush
 cache_size = 512  # compiled graphs kept (least recently used are dropped)
@@ -127,7 +129,7 @@ def _has_pending(tree):
 
 class _Graph:
     __slots__ = ("nodes", "runners", "inputs", "input_slots", "input_ids", "outputs", "storages", "n_slots",
-                 "task", "error")
+                 "task", "error", "device")
 
     def __init__(self):
         self.nodes = []  # (fn, treedef, input slots, first output slot); also the cache key
@@ -140,6 +142,7 @@ class _Graph:
         self.n_slots = 0
         self.task = -1  # autograd graph task recording into this graph (-1: none)
         self.error = None  # why running this graph failed, if it did
+        self.device = 0  # the pjrt index every node runs on (placement: one graph per device)
 
     def input_slot(self, x):
         """The slot of a concrete input (an array passed twice is one input)."""
@@ -262,6 +265,14 @@ def _add_node(fn, runner, treedef, leaves, entry):
                 flush("backward")
                 g = _graph
             g.task = task
+        if placement.multi:
+            device = _device_of(leaves, g)
+            if device != g.device:
+                if g.nodes:
+                    flush("device_change")  # a graph runs on one device
+                    g = _graph
+                    g.task = task
+                g.device = device
         refs = []
         for x in leaves:
             if x.__class__ is Pending:
@@ -285,6 +296,17 @@ def _add_node(fn, runner, treedef, leaves, entry):
     return jax.tree_util.tree_unflatten(out_treedef, pendings)
 
 
+def _device_of(leaves, g) -> int:
+    """The pjrt index a node with these arguments runs on: its device inputs', else the device
+    of the factory being recorded."""
+    for x in leaves:
+        if x.__class__ is Pending:
+            return g.device if x.graph is g and x.value is None else placement.index_of(x.value)
+        if isinstance(x, jax.Array):
+            return placement.index_of(x)
+    return placement.ambient()
+
+
 def track(storage) -> None:
     """A storage now holds a Pending: give it the computed array at the next flush."""
     with _lock:
@@ -301,7 +323,7 @@ def flush(reason: str) -> None:
         _graph = _Graph()
         alive = [p for p in (ref() for ref in g.outputs) if p is not None]
         out_slots = tuple(p.slot for p in alive)
-        key = (tuple(g.nodes), tuple(g.input_slots), out_slots, tuple(_signature_of(x) for x in g.inputs))
+        key = (tuple(g.nodes), tuple(g.input_slots), out_slots, tuple(_signature_of(x) for x in g.inputs), g.device)
         replay = _compiled.get(key)
         _flushes_seen += 1
         if replay is not None:
@@ -316,11 +338,14 @@ def flush(reason: str) -> None:
         traced = stats["graphs_compiled"]
         t0 = time.perf_counter()
         try:
-            if replay is None:
-                stats["graphs_run_op_by_op"] += 1
-                results = _run_op_by_op(g, out_slots)
-            else:
-                results = replay(*g.inputs)
+            with placement.on(g.device) if g.device else _NO_CONTEXT:
+                if replay is None:
+                    stats["graphs_run_op_by_op"] += 1
+                    results = _run_op_by_op(g, out_slots)
+                else:
+                    results = replay(*g.inputs)
+            if g.device:
+                results = placement.commit(results, g.device)
         except Exception as e:
             g.error = e
             if isinstance(e, jax.errors.JaxRuntimeError):

@@ -12,51 +12,78 @@ import numpy as np
 import torch
 
 _lock = threading.Lock()
-_seed = 67280421310721  # PyTorch's default seed
-_offset = 0
+_DEFAULT_SEED = 67280421310721  # PyTorch's default seed
+# one generator per pjrt device, as CUDA has: index -> [seed, offset]; a device whose
+# generator was never touched starts from `_seed_all` (manual_seed_all's seed)
+_generators = {}
+_seed_all = _DEFAULT_SEED
 
 
-def manual_seed(seed: int) -> None:
-    """Seed the generator as torch.Generator.manual_seed does: seeds in [-2**63, 2**64 - 1],
-    a negative one taken modulo 2**64."""
-    global _seed, _offset
+def _generator(index):
+    g = _generators.get(index)
+    if g is None:
+        g = _generators[index] = [_seed_all, 0]
+    return g
+
+
+def _checked_seed(seed) -> int:
+    """A seed as torch.Generator.manual_seed takes it: in [-2**63, 2**64 - 1], a negative one
+    taken modulo 2**64."""
     seed = int(seed)
     if not -0x8000_0000_0000_0000 <= seed <= 0xFFFF_FFFF_FFFF_FFFF:
         raise ValueError("Overflow when unpacking long long")  # torch.Generator's words
+    return seed & 0xFFFF_FFFF_FFFF_FFFF
+
+
+def manual_seed(seed: int, index: int = 0) -> None:
+    """Seed pjrt:`index`'s generator."""
+    seed = _checked_seed(seed)
     with _lock:
-        _seed = seed & 0xFFFF_FFFF_FFFF_FFFF
-        _offset = 0
+        _generators[index] = [seed, 0]
 
 
-def seed() -> None:
-    manual_seed(random.getrandbits(63))
-
-
-def initial_seed() -> int:
-    return _seed
-
-
-def next_seed_offset() -> np.ndarray:
-    """The (seed, offset) pair for one random op, advancing the offset."""
-    global _offset
+def manual_seed_all(seed: int) -> None:
+    """Seed every pjrt device's generator (torch.manual_seed does this)."""
+    global _seed_all
+    seed = _checked_seed(seed)
     with _lock:
-        pair = np.array([_seed, _offset], dtype=np.uint64)
-        _offset += 1
+        _seed_all = seed
+        _generators.clear()
+
+
+def seed(index: int = 0) -> None:
+    manual_seed(random.getrandbits(63), index)
+
+
+def seed_all() -> None:
+    manual_seed_all(random.getrandbits(63))
+
+
+def initial_seed(index: int = 0) -> int:
+    with _lock:
+        return _generator(index)[0]
+
+
+def next_seed_offset(index: int = 0) -> np.ndarray:
+    """The (seed, offset) pair for one random op on pjrt:`index`, advancing the offset."""
+    with _lock:
+        g = _generators.get(index) or _generator(index)
+        pair = np.array(g, dtype=np.uint64)
+        g[1] += 1
     return pair
 
 
-def get_state() -> torch.Tensor:
+def get_state(index: int = 0) -> torch.Tensor:
     """16 bytes (a uint8 CPU tensor): seed and offset as little-endian uint64, CUDA's layout.
 
     Random ops take their (seed, offset) when they are issued, also in fused mode where they
     run later, so setting a saved state replays the same numbers in every eager mode."""
     with _lock:
-        pair = np.array([_seed, _offset], dtype="<u8")
+        pair = np.array(_generator(index), dtype="<u8")
     return torch.from_numpy(pair.view(np.uint8).copy())
 
 
-def set_state(state: torch.Tensor) -> None:
-    global _seed, _offset
+def set_state(state: torch.Tensor, index: int = 0) -> None:
     if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
         got = state.dtype if isinstance(state, torch.Tensor) else type(state).__name__
         raise TypeError(f"RNG state must be a torch.ByteTensor (from torch.pjrt.get_rng_state), got {got}")
@@ -65,7 +92,7 @@ def set_state(state: torch.Tensor) -> None:
         raise RuntimeError(f"pjrt RNG state must be 16 bytes, got {raw.size}")
     s, o = raw.view("<u8")
     with _lock:
-        _seed, _offset = int(s), int(o)
+        _generators[index] = [int(s), int(o)]
 
 
 def key_from_seed_offset(pair):

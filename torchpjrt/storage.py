@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from jax import lax
 
-from . import dtypes, fusion
+from . import dtypes, fusion, placement
 from .fusion import call
 
 _create_empty = torch._C._acc.create_empty_tensor
@@ -35,10 +35,11 @@ _inference_mode_enabled = torch.is_inference_mode_enabled
 class Storage:
     """The device memory behind one c10 storage: a JAX array and a version counter."""
 
-    __slots__ = ("array", "shape", "dtype", "version", "views", "raw", "__weakref__")
+    __slots__ = ("array", "shape", "dtype", "version", "views", "raw", "device", "__weakref__")
 
-    def __init__(self, array, dtype: torch.dtype, shape=None):
+    def __init__(self, array, dtype: torch.dtype, shape=None, device=0):
         self.array = None  # None until first written: an uninitialized (empty) storage
+        self.device = device  # the pjrt index an uninitialized storage materializes on
         if array is not None:
             self._hold(array)
         self.shape = tuple(array.shape) if array is not None else tuple(shape)
@@ -54,7 +55,10 @@ class Storage:
     def value(self):
         if self.array is None:
             # PyTorch leaves empty() uninitialized; zeros are one valid content.
-            self._hold(_zeros(self.shape, dtypes.to_jax(self.dtype)))
+            if self.device:
+                self._hold(placement.run_on(self.device, _zeros, self.shape, dtypes.to_jax(self.dtype), self.device))
+            else:
+                self._hold(_zeros(self.shape, dtypes.to_jax(self.dtype)))
         return self.array
 
     def replace(self, array):
@@ -70,16 +74,16 @@ class Storage:
 
 
 @functools.lru_cache(maxsize=None)
-def _zeros_fn(shape, dtype):
+def _zeros_fn(shape, dtype, device=0):
     from . import kernel_cache
 
     default_device()
     # every new storage starts here: a warm process loads these programs rather than tracing them
-    return kernel_cache.kept(jax.jit(lambda: jnp.zeros(shape, dtype)), ("storage.zeros", shape, str(dtype)))
+    return kernel_cache.kept(jax.jit(lambda: jnp.zeros(shape, dtype)), ("storage.zeros", shape, str(dtype), device))
 
 
-def _zeros(shape, dtype):
-    return call(_zeros_fn(shape, dtype))
+def _zeros(shape, dtype, device=0):
+    return call(_zeros_fn(shape, dtype, device))
 
 
 def default_device():
@@ -446,6 +450,10 @@ def wrap(array, dtype: torch.dtype = None) -> torch.Tensor:
     if dtype is None:
         dtype = dtypes.to_torch(array.dtype)
     t = _create_empty(array.shape, dtype)
+    if placement.multi:
+        index = placement.index_of(array)
+        if index:
+            placement.place(t, index)
     s = t.untyped_storage()
     s._pjrt = Storage(array, dtype)
     give_address(s, t.numel() * dtype.itemsize)
@@ -486,16 +494,18 @@ def wrap_laid_out(array, dtype: torch.dtype, stride) -> torch.Tensor:
     return t
 
 
-def empty(shape, dtype: torch.dtype) -> torch.Tensor:
-    """A new pjrt tensor whose storage is not yet materialized."""
+def empty(shape, dtype: torch.dtype, device: int = 0) -> torch.Tensor:
+    """A new pjrt tensor on pjrt:`device` whose storage is not yet materialized."""
     shape = tuple(shape)
     dtypes.to_jax(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes > _capacity:
         check_allocation(nbytes, shape)
     t = _create_empty(shape, dtype)
+    if device:
+        placement.place(t, device)
     s = t.untyped_storage()
-    s._pjrt = Storage(None, dtype, shape)
+    s._pjrt = Storage(None, dtype, shape, device)
     give_address(s, nbytes)
     return t
 
@@ -594,11 +604,23 @@ def alias(base: torch.Tensor, size, stride, offset, dtype: torch.dtype = None) -
         # the mode, and autograd then fails to give a normal base's view its version counter
         with torch.inference_mode(base.is_inference()):
             t = _create_empty((0,), dtype or base.dtype)
+            if placement.multi:
+                _place_like(t, base)
             _set_storage.redispatch(_META, t, base.untyped_storage(), offset, size, stride)
         return t
     t = _create_empty((0,), dtype or base.dtype)
+    if placement.multi:
+        _place_like(t, base)
     _set_storage.redispatch(_META, t, base.untyped_storage(), offset, size, stride)
     return t
+
+
+def _place_like(t, base):
+    """A fresh tensor about to be set onto `base`'s storage must be on its device first (set_
+    refuses a storage of another device)."""
+    index = base.get_device()
+    if index > 0:
+        placement.place(t, index)
 
 
 def set_geometry(t: torch.Tensor, size, stride, offset) -> None:

@@ -18,7 +18,7 @@ import jax
 import torch
 from functorch.compile import make_boxed_func
 
-from .. import device_checks, fusion, kernel_cache, random_state, storage
+from .. import device_checks, fusion, kernel_cache, placement, random_state, storage
 from ..ops import TABLE
 from . import buckets as buckets_mod
 from . import graph as graph_mod
@@ -150,7 +150,8 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, options=Options(), 
         return graph_mod.fingerprint(gm)
 
     def program_for(sizes, donated):
-        jitted = programs.get((sizes, donated))
+        on = placement.ambient()  # each device has its own executable
+        jitted = programs.get((sizes, donated, on))
         if jitted is None:
             if not int_inputs:
                 body = fn
@@ -164,14 +165,37 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, options=Options(), 
             jitted = jax.jit(body, donate_argnums=tuple(array_position[i] for i in donated))
             if kernel_cache.directory() is not None and not user_code:  # hashed only when the layer is on
                 # a new process loads the graph's executable without tracing and lowering it
-                jitted = kernel_cache.kept(jitted, ("graph", fingerprint(), sizes, donated, bool(checks)))
-            programs[(sizes, donated)] = jitted
+                identity = ("graph", fingerprint(), sizes, donated, bool(checks)) + ((on,) if on else ())
+                jitted = kernel_cache.kept(jitted, identity)
+            programs[(sizes, donated, on)] = jitted
             # one XLA program per input signature: compiled, or found in a cache, on its first call
             stats["xla_compiles"] += 1
         return jitted
 
+    named_devices = _named_pjrt_devices(gm)
+    eager_runner = []
+
     def run(*args):
-        seed_offset = random_state.next_seed_offset() if random else _NO_SEED
+        on = 0
+        if placement.multi or named_devices:
+            devices = named_devices | {a.get_device() for a in args
+                                       if isinstance(a, torch.Tensor) and a.device.type == "pjrt"}
+            if len(devices) > 1:
+                # a graph spanning pjrt devices (a pipeline's stages and the copies between them)
+                # is one program per device in eager mode: it runs op by op there
+                if not eager_runner:
+                    stats["eager_graphs"] += 1
+                    eager_fallback_reasons.append(f"a graph spanning devices {sorted(devices)}")
+                    eager_runner.append(_eager(gm))
+                return eager_runner[0](list(args))
+            on = next(iter(devices), 0)
+        if on:
+            with placement.on(on):  # also where a graph without device inputs computes
+                return run_on_device(*args)
+        return run_on_device(*args)
+
+    def run_on_device(*args):
+        seed_offset = random_state.next_seed_offset(placement.ambient()) if random else _NO_SEED
         sizes = tuple(int(args[i]) for i in int_inputs)
         # decide before the arrays are gathered below: each gathered reference counts as a holder
         donated = _donations(args, donatable)
@@ -197,6 +221,16 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, options=Options(), 
     # AOTAutograd restores a graph with effect tokens (linalg's error checks) with other inputs
     # than it compiled it for: such graphs are compiled again in each process
     return make_boxed_func(run), not any(graph_mod.is_linalg_check(n) for n in gm.graph.nodes)
+
+
+def _named_pjrt_devices(gm) -> set:
+    """The pjrt indices the graph's nodes name explicitly (a copy to pjrt:1, a factory on it)."""
+    named = set()
+    for node in gm.graph.nodes:
+        for v in list(node.args) + list(node.kwargs.values()):
+            if isinstance(v, torch.device) and v.type == "pjrt" and v.index is not None:
+                named.add(v.index)
+    return named
 
 
 def _bucketed_runner(bucketed, random):
