@@ -463,12 +463,10 @@ def _open_checked(file, framework, device=None, **kwargs):
 def _jax_device_of(device):
     from . import device as pjrt_device
 
+    from . import placement
+
     index = device.index if device.index is not None else pjrt_device.current_device()
-    if index != 0:
-        pjrt_device.jax_device(index)  # a clear error when the device does not exist
-        raise NotImplementedError(
-            f"torchpjrt: only pjrt:0 can hold tensors in one process for now; cannot load onto {device}"
-        )
+    placement.require(index)  # a clear error when the device does not exist
     return pjrt_device.jax_device(index)
 
 

@@ -45,11 +45,16 @@ def from_jax(array) -> torch.Tensor:
     of this process: copied to the current pjrt device)."""
     if not isinstance(array, jax.Array):
         raise TypeError(f"torchpjrt.from_jax: expected a jax.Array, got {type(array).__name__}")
+    from . import placement
+
     dtype = dtypes.to_torch(array.dtype)
     if not _is_pjrt_array(array):
-        from .device import jax_device
+        from .device import current_device, jax_device
 
+        placement.require(current_device())
         array = jax.device_put(array, jax_device())
+    else:
+        placement.require(placement.index_of(array))
     return storage.wrap(array, dtype)
 
 

@@ -14,7 +14,8 @@ import jax
 import numpy as np
 import torch
 
-from . import device_checks, dtypes, fusion, storage
+from . import device as pjrt_device
+from . import device_checks, dtypes, fusion, placement, storage
 
 _original = {}
 
@@ -45,9 +46,12 @@ def _len(self):
     return _nbytes(self) if _is_pjrt(self) else _original["__len__"](self)
 
 
-def new_pjrt_storage(st: storage.Storage) -> torch.UntypedStorage:
-    """A fresh c10 storage on pjrt:0 carrying `st`."""
-    s = storage._create_empty((0,), st.dtype).untyped_storage()
+def new_pjrt_storage(st: storage.Storage, device: int = 0) -> torch.UntypedStorage:
+    """A fresh c10 storage on pjrt:`device` carrying `st`."""
+    t = storage._create_empty((0,), st.dtype)
+    if device:
+        placement.place(t, device)
+    s = t.untyped_storage()
     s._pjrt = st
     storage.give_address(s, st.numel * st.dtype.itemsize)
     return s
@@ -58,7 +62,7 @@ def _clone(self):
         return _original["clone"](self)
     st = _data(self)
     # arrays are immutable: the copy may share the buffer until one side is written
-    return new_pjrt_storage(storage.Storage(st.array, st.dtype, st.shape))
+    return new_pjrt_storage(storage.Storage(st.array, st.dtype, st.shape, st.device), self.device.index or 0)
 
 
 def _cpu(self):
@@ -72,15 +76,29 @@ def _cpu(self):
 
 def _to_pjrt(self, device=None, non_blocking=False):
     """`storage.pjrt()` (used by torch.load with map_location='pjrt')."""
-    if _is_pjrt(self):
+    index = _index_of(device)
+    if _is_pjrt(self) and (self.device.index or 0) == index:
         return self
-    if device not in (None, 0) and torch.device(device if not isinstance(device, int) else f"pjrt:{device}").index not in (None, 0):
-        raise NotImplementedError("torchpjrt: only pjrt:0 is addressable in one process")
+    if _is_pjrt(self):
+        self = _cpu(self)
     raw = np.frombuffer(bytes(self), dtype=np.uint8) if self.nbytes() else np.zeros((0,), np.uint8)
-    arr = jax.device_put(raw.copy(), storage.default_device())
+    arr = jax.device_put(raw.copy(), pjrt_device.jax_device(index) if index else storage.default_device())
     st = storage.Storage(arr, torch.uint8)
     st.raw = True  # untyped bytes: takes the dtype of the first tensor set onto it
-    return new_pjrt_storage(st)
+    return new_pjrt_storage(st, index)
+
+
+def _index_of(device) -> int:
+    """The pjrt index `device` (None, an int, "pjrt:N", a torch.device) names, checked usable."""
+    if device is None:
+        index = pjrt_device.current_device()
+    elif isinstance(device, int):
+        index = device
+    else:
+        d = torch.device(device)
+        index = d.index if d.index is not None else pjrt_device.current_device()
+    placement.require(index)
+    return index
 
 
 def _to(self, *, device, non_blocking=False):
@@ -108,22 +126,20 @@ def _new(cls, *args, device=None, **kwargs):
     if device is None or torch.device(device).type != "pjrt":
         kw = kwargs if device is None else dict(kwargs, device=device)
         return _original["__new__"](cls, *args, **kw)
-    index = torch.device(device).index
-    if index not in (None, 0):
-        raise NotImplementedError("torchpjrt: only pjrt:0 is addressable in one process")
+    index = _index_of(device)
     if kwargs or len(args) > 1:
         raise TypeError(f"torchpjrt: UntypedStorage(..., device='pjrt') takes a size or a sequence of bytes, "
                         f"got {args!r} {kwargs!r}")
     if args and not isinstance(args[0], int):
-        return _to_pjrt(_original["__new__"](cls, *args))  # a sequence of byte values
+        return _to_pjrt(_original["__new__"](cls, *args), index)  # a sequence of byte values
     nbytes = args[0] if args else 0
     if nbytes < 0:
         raise RuntimeError(f"torchpjrt: a storage of {nbytes} bytes: the size must not be negative")
     if nbytes > storage._capacity:
         storage.check_allocation(nbytes)
-    st = storage.Storage(None, torch.uint8, (nbytes,))
+    st = storage.Storage(None, torch.uint8, (nbytes,), index)
     st.raw = True  # untyped bytes: takes the dtype of the first tensor set onto it
-    return new_pjrt_storage(st)
+    return new_pjrt_storage(st, index)
 
 
 def _resize_(self, size):
