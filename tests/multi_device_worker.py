@@ -269,6 +269,13 @@ def autograd_threads():
 
 
 @check
+def kernel_cache_stats():
+    from torchpjrt import kernel_cache
+
+    return dict(kernel_cache.stats)
+
+
+@check
 def compile_stats():
     stats = torchpjrt.compile_stats()
     return {"graphs": stats["graphs"], "eager_graphs": stats["eager_graphs"]}

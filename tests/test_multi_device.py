@@ -71,6 +71,7 @@ def _check_pipeline(r):
         assert device == grad_device == expected, (name, device, grad_device)
 
 
+@pytest.mark.slow
 def test_strict_mode(tmp_path):
     r = _run(tmp_path, "strict")
     _check_placement(r)
@@ -124,6 +125,7 @@ def test_one_device_process_refuses_other_indices():
         torch.ones(2).to("pjrt:2")
 
 
+@pytest.mark.slow
 def test_without_the_compiled_helper_other_indices_say_why(tmp_path):
     code = ("import os, torch\n"
             "x = torch.ones(2, device='pjrt:0')\n"
