@@ -16,6 +16,8 @@ a part that runs out of time is reported with what it finished:
   models    a model-suite subset (GPT-2, LLaMA) in strict, fused and compiled mode against
             the CPU, then benchmarks/models.py's step times for them
   ddp       a 2-process DDP run (one chip per process) when the machine has 2 chips
+  pipeline  a model split across pjrt:0 and pjrt:1 in one process (pipeline style), trained
+            against the CPU in strict and fused mode, when the machine has 2 chips
 
 If `env` fails (torchpjrt cannot run one op there), the other parts are skipped at once rather
 than each failing the same way. It writes DIR/accelerator_check.json (every part: command,
@@ -35,9 +37,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-PARTS = ("env", "bench", "overhead", "modes", "tests", "models", "ddp")
+PARTS = ("env", "bench", "overhead", "modes", "tests", "models", "ddp", "pipeline")
 # each part's own limit in seconds; the overall budget cuts the last ones short
-LIMITS = {"env": 60, "bench": 180, "overhead": 45, "modes": 70, "tests": 100, "models": 70, "ddp": 90}
+LIMITS = {"env": 60, "bench": 180, "overhead": 45, "modes": 70, "tests": 100, "models": 70, "ddp": 90, "pipeline": 90}
 
 ENV_PROBE = r"""
 import json, time, torch, jax
@@ -75,6 +77,38 @@ worst = max((p.grad.cpu() - r.grad).abs().max().item() for p, r in zip(model.par
 print(f"DDP rank {rank}/{world} on {torch.pjrt.get_device_name()}: max |grad - single-process grad| {worst:.2e}")
 assert worst < 1e-4
 dist.destroy_process_group()
+"""
+
+
+PIPELINE_WORKER = r"""
+import torch, torch.nn as nn
+import torchpjrt
+
+def train(d0, d1):
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(64, 128), nn.GELU()).to(d0)
+    b = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 8)).to(d1)
+    opt = torch.optim.AdamW(list(a.parameters()) + list(b.parameters()), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(5):
+        x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 8, (32,), generator=gen)
+        loss = nn.functional.cross_entropy(b(a(x.to(d0)).to(d1)), y.to(d1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {str(p.device) for p in b.parameters()}
+
+torch.pjrt.init()
+cpu, _ = train("cpu", "cpu")
+for mode in ("strict", "fused"):
+    torchpjrt.set_eager_mode(mode)
+    losses, devices = train("pjrt:0", "pjrt:1")
+    worst = max(abs(p - c) for p, c in zip(losses, cpu))
+    print(f"PIPELINE {mode}: pjrt:0 -> pjrt:1 ({torch.pjrt.get_device_name(1)}), stage 2 on {sorted(devices)}, "
+          f"max |loss - CPU loss| {worst:.2e}")
+    assert devices == {"pjrt:1"} and worst < 1e-3
 """
 
 
@@ -152,6 +186,7 @@ def main():
         "models": [py, "-m", "pytest", "-v", "--tb=line", "-p", "no:cacheprovider",
                    "tests/models/test_models.py", "-k", "test_model_trains_like_cpu and (gpt2 or llama)"],
         "ddp": ["torchrun", "--standalone", "--nproc_per_node=2", str(out / "ddp_worker.py")],
+        "pipeline": [py, "-c", PIPELINE_WORKER],
     }
     models_speed = [py, str(HERE / "models.py"), "--models", "gpt2,llama", "--rounds", "3", "--steps", "3",
                     "--checkpoint-mb", "0", "--baseline", baseline]
@@ -162,7 +197,7 @@ def main():
             # torchpjrt does not even run one op here: the other parts would fail the same way
             records.append({"part": name, "status": "skipped: env failed", "seconds": 0, "output": ""})
             continue
-        if name == "ddp" and chips < 2:
+        if name in ("ddp", "pipeline") and chips < 2:
             records.append({"part": name, "status": f"skipped: {chips} chip(s)", "seconds": 0, "output": ""})
             continue
         if left < 10:
@@ -194,7 +229,7 @@ def main():
             lines += [f"   failed: {t}" for t in c["failed_tests"]]
         if r["part"] == "env" and r.get("info"):
             lines.append("   " + json.dumps(r["info"]))
-        elif r["part"] in ("bench", "overhead", "modes", "models-speed", "ddp"):
+        elif r["part"] in ("bench", "overhead", "modes", "models-speed", "ddp", "pipeline"):
             lines += ["   " + line for line in r["output"].strip().splitlines()[-28:]]
         elif "failed" in r["status"] or "timeout" in r["status"]:
             lines += ["   " + line for line in r["output"].strip().splitlines()[-12:]]
