@@ -185,6 +185,11 @@ class ProcessGroupPJRT(dist.ProcessGroup):
     def _placement(self, tensors, op):
         kinds = {t.device.type for t in tensors}
         if kinds == {"pjrt"}:
+            other = next((t.device for t in tensors if t.get_device() != 0), None)
+            if other is not None:
+                raise ValueError(
+                    f"torchpjrt.distributed: {op} got a tensor on {other}; each process of a pjrt process group "
+                    "takes part with its pjrt:0 (one device per process: torchrun's LOCAL_RANK picks it)")
             return "pjrt"
         if kinds == {"cpu"}:
             return "cpu"
