@@ -509,6 +509,7 @@ def test_graphs_that_come_back_far_apart_are_compiled_only_once_they_would_pay(m
 
     expected = call("cpu")
     torchpjrt.set_eager_mode("fused")
+    monkeypatch.setattr(fusion, "passthrough_ops", 0)  # this test is about the graphs' sightings
     monkeypatch.setattr(fusion, "reuse_distance", 4)
     # the compile cost estimate as before any measurement: earlier tests' compiles (fast when
     # JAX's persistent cache has them) would make these compiles look cheap enough to pay
@@ -521,3 +522,40 @@ def test_graphs_that_come_back_far_apart_are_compiled_only_once_they_would_pay(m
     assert call(DEV) == expected
     assert torchpjrt.eager_stats()["graphs_compiled"] >= before + 10
     assert call(DEV) == expected
+
+
+def test_flush_heavy_regions_run_their_ops_at_once_and_training_loops_stay_fused():
+    """Fused mode is never slower than strict: where most ops of the recent flushes ran op by op
+    (a host read every few ops, shapes that never come back), ops stop being recorded for a while
+    and run at once, as strict mode runs them; a training loop, whose graphs come back and
+    compile, keeps recording."""
+    x = torch.arange(48.0).reshape(16, 3)  # integers: sums exact in any order (shapes no other test uses)
+
+    def generate_like(device):
+        d = x.to(device)
+        return [(d[:n].neg() * 2 + 1).sum().item() for n in range(1, 17)]  # a new shape per read
+
+    expected = generate_like("cpu")
+    torchpjrt.set_eager_mode("fused")
+    stats = torchpjrt.eager_stats()
+    assert generate_like(DEV) == expected  # 16 flushes, each of a graph seen once: run op by op
+    assert generate_like(DEV) == expected
+    after = torchpjrt.eager_stats()
+    assert after["passthrough_regions"] > stats["passthrough_regions"]
+    assert after["ops_passed_through"] >= stats["ops_passed_through"] + 3 * 15
+    assert after["graphs_compiled"] == stats["graphs_compiled"]
+
+    torchpjrt.set_eager_mode("fused")  # a new mode setting starts a new look
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).to(DEV)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = torchpjrt.eager_stats()
+    for _ in range(20):
+        loss = model(x.to(DEV) / 48).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        loss.item()
+    done = torchpjrt.eager_stats()
+    assert done["ops_passed_through"] == before["ops_passed_through"]
+    assert done["cache_hits"] - before["cache_hits"] >= 30  # its graphs compiled and came back

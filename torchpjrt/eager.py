@@ -118,6 +118,8 @@ def eager_stats() -> dict:
         "compile_seconds": s["compile_seconds"],
         "xla_compiles": live_programs.stats["xla_compiles"],  # every path's, since the process started
         "flushes": s["flushes"],
+        "ops_passed_through": s["ops_passed_through"],  # run at once in flush-heavy regions
+        "passthrough_regions": s["passthrough_regions"],
         "flush_reasons": dict(fusion.flush_reasons),
     }
 

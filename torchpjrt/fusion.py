@@ -27,6 +27,15 @@ each length once per call) is compiled at its second sighting only when it retur
 for (an estimated cost per op) add up to what compiling it is estimated to cost (the compile
 seconds per op of the graphs this process compiled): fused mode then spends at most about what
 strict mode spends plus one compile, instead of a compile per graph that rarely pays back.
+
+Flush-heavy regions run as strict mode runs them. Recording an op and running it later by its own
+kernel costs more than running it at once, so when most ops of the last `passthrough_window`
+flushes (`passthrough_share`) ran op by op rather than in a compiled graph (code that reads values
+on the host every few ops, with shapes that follow the data: an expert loop's routing, a sampling
+loop that grows the sequence), the next
+`passthrough_ops` ops are not recorded: each runs at once, as in strict mode. Then recording
+resumes for another look; a graph seen again meanwhile compiles as usual (its sightings are kept),
+and recording stays on as long as compiled graphs keep coming back.
 """
 
 import contextlib
@@ -54,6 +63,11 @@ cache_size = 512  # compiled graphs kept (least recently used are dropped)
 compile_after = int(os.environ.get("TORCHPJRT_FUSED_COMPILE_AFTER", "2"))
 sightings_kept = 4096  # graphs seen but not compiled that are remembered (least recent dropped)
 reuse_distance = 32  # flushes within which a graph's return compiles it at compile_after
+passthrough_window = 16  # flushes looked at to find a flush-heavy region
+passthrough_share = 0.75  # the share of their ops run op by op that starts running ops at once
+passthrough_ops = 2048  # ops run at once before recording is tried again
+_passthrough_left = 0  # ops still to run at once
+_outcomes = []  # per recent flush (at most passthrough_window): (ran a compiled graph, ops)
 DISPATCH_SECONDS_PER_OP = 15e-6  # what running a recorded op by its own kernel costs the host
 _compile_seconds_per_op = [2e-3, 0]  # estimate, and graphs measured (a prior until the first)
 _flushes_seen = 0
@@ -178,11 +192,13 @@ def recording() -> bool:
 
 
 def set_recording(on: bool) -> None:
-    global _recording
+    global _recording, _passthrough_left
     with _lock:
         if not on:
             flush("mode_change")
         _recording = on
+        _passthrough_left = 0
+        _outcomes.clear()
 
 
 def device_error(e):
@@ -198,8 +214,9 @@ def device_error(e):
 
 
 def call(fn, *args):
-    """Run jitted `fn` now (strict, debug) or record it into the pending graph (fused)."""
-    if not _recording:
+    """Run jitted `fn` now (strict, debug, a flush-heavy region of fused) or record it into the
+    pending graph (fused)."""
+    if not _recording or (_passthrough_left and _pass_through()):
         try:
             return fn(*args)
         except jax.errors.JaxRuntimeError as e:
@@ -211,6 +228,8 @@ def call(fn, *args):
 
 def record_keyed(avals_cache, key, fn, args):
     """`call` for a caller whose `key` already fixes the argument shapes and dtypes."""
+    if _passthrough_left and _pass_through():
+        return fn(*args)
     traced = getattr(fn, "traceable", fn)
     leaves, treedef = jax.tree_util.tree_flatten(args)
     entry = avals_cache.get(key)
@@ -370,6 +389,34 @@ def flush(reason: str) -> None:
         stats["flushes"] += 1
         stats["ops_flushed"] += len(g.nodes)
         flush_reasons[reason] += 1
+        _note_outcome(replay is not None, len(g.nodes))
+
+
+def _pass_through() -> bool:
+    """Whether this op runs at once (a flush-heavy region; see the module's docstring). Never
+    while ops are pending: a region starts right after a flush."""
+    global _passthrough_left
+    if _graph.nodes:
+        return False
+    _passthrough_left -= 1
+    if not _passthrough_left:
+        stats["passthrough_ends"] += 1
+    stats["ops_passed_through"] += 1
+    return True
+
+
+def _note_outcome(compiled: bool, n_ops: int) -> None:
+    global _passthrough_left
+    _outcomes.append((compiled, n_ops))
+    if len(_outcomes) > passthrough_window:
+        del _outcomes[0]
+    if len(_outcomes) < passthrough_window or not passthrough_ops:
+        return
+    op_by_op = sum(n for c, n in _outcomes if not c)
+    if op_by_op >= passthrough_share * sum(n for _, n in _outcomes):
+        _passthrough_left = passthrough_ops
+        _outcomes.clear()
+        stats["passthrough_regions"] += 1
 
 
 def _worth_compiling(key, n_ops) -> bool:
