@@ -262,6 +262,37 @@ def save_and_load(tmp=os.path.dirname(os.path.abspath(OUT))):
 
 
 @check
+def data_dependent_and_modes():
+    """Ops whose output shape depends on the data, inference mode, autocast, activation
+    checkpointing with dropout (its RNG state per device), and both Adam kernels, on pjrt:1."""
+    from torch.utils.checkpoint import checkpoint
+
+    d = "pjrt:1"
+    x = torch.randn(5, 4, device=d)
+    out = {"nonzero": placed(torch.nonzero(x > 0)), "mask": placed(x[x > 0]),
+           "unique": placed(torch.unique(torch.tensor([3, 1, 3], device=d)))}
+    with torch.inference_mode():
+        out["inference"] = placed(x * 2)
+    with torch.autocast("pjrt", dtype=torch.bfloat16):
+        out["autocast"] = placed(x @ x.t()) + [str((x @ x.t()).dtype)]
+    layer = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5)).to(d)
+    torch.manual_seed(0)
+    checkpoint(layer, x, use_reentrant=False).sum().backward()
+    checkpointed = layer[0].weight.grad.cpu().clone()
+    layer.zero_grad()
+    torch.manual_seed(0)
+    layer(x).sum().backward()
+    out["checkpoint_same_grads"] = torch.equal(checkpointed, layer[0].weight.grad.cpu())
+    for fused in (False, True):
+        p = torch.nn.Parameter(torch.ones(3, device=d))
+        opt = torch.optim.Adam([p], lr=0.1, fused=fused or None, foreach=not fused)
+        (p * 2).sum().backward()
+        opt.step()
+        out[f"adam_fused={fused}"] = placed(p.detach()) + [round(p[0].item(), 6)]
+    return out
+
+
+@check
 def autograd_threads():
     """PyTorch's autograd engine's device worker threads (pt_autograd_<device>)."""
     names = [open(f"/proc/self/task/{tid}/comm").read().strip() for tid in os.listdir("/proc/self/task")]

@@ -59,6 +59,12 @@ def _check_placement(r):
     assert r["module_moves"] == {"parameter_kept": True, "state_dict": {"weight": "pjrt:2", "bias": "pjrt:2"}}
     assert r["compiled_on_device"] == {"placed": ["pjrt:3", 3], "diff": 0.0}
     assert r["fused_factory_graph"] == [["pjrt:2", 2], [3.0, 4.0, 5.0]]
+    modes = r["data_dependent_and_modes"]
+    for name in ("nonzero", "mask", "unique", "inference"):
+        assert modes[name] == ["pjrt:1", 1], (name, modes[name])
+    assert modes["autocast"] == ["pjrt:1", 1, "torch.bfloat16"]
+    assert modes["checkpoint_same_grads"] is True
+    assert modes["adam_fused=False"] == modes["adam_fused=True"] == ["pjrt:1", 1, 0.9]
     assert r["save_and_load"] == {"torch_load": ["pjrt:2", 2], "safetensors": ["pjrt:3", 3],
                                   "values": [0.0, 1.0, 2.0, 3.0] * 2}
 

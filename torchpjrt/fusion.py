@@ -218,7 +218,7 @@ def call(fn, *args):
     pending graph (fused)."""
     if not _recording or (_passthrough_left and _pass_through()):
         try:
-            return fn(*args)
+            return fn(*(_computed(args) if _recording else args))
         except jax.errors.JaxRuntimeError as e:
             raise device_error(e) from e
     traced = getattr(fn, "traceable", fn)  # a kernel_cache.CachedKernel is traced as its jitted form
@@ -229,7 +229,7 @@ def call(fn, *args):
 def record_keyed(avals_cache, key, fn, args):
     """`call` for a caller whose `key` already fixes the argument shapes and dtypes."""
     if _passthrough_left and _pass_through():
-        return fn(*args)
+        return fn(*_computed(args))
     traced = getattr(fn, "traceable", fn)
     leaves, treedef = jax.tree_util.tree_flatten(args)
     entry = avals_cache.get(key)
@@ -403,6 +403,14 @@ def _pass_through() -> bool:
         stats["passthrough_ends"] += 1
     stats["ops_passed_through"] += 1
     return True
+
+
+def _computed(args):
+    """`args` with each Pending (from a graph run earlier) replaced by its array, for an op run at
+    once in fused mode."""
+    if not _has_pending(args):
+        return args
+    return jax.tree_util.tree_map(lambda x: x.concrete() if type(x) is Pending else x, args)
 
 
 def _note_outcome(compiled: bool, n_ops: int) -> None:
