@@ -35,7 +35,9 @@ on the host every few ops, with shapes that follow the data: an expert loop's ro
 loop that grows the sequence), the next
 `passthrough_ops` ops are not recorded: each runs at once, as in strict mode. Then recording
 resumes for another look; a graph seen again meanwhile compiles as usual (its sightings are kept),
-and recording stays on as long as compiled graphs keep coming back.
+and recording stays on as long as compiled graphs keep coming back. A look that finds the region
+still flush-heavy doubles the next stretch run at once (up to 32 times `passthrough_ops`), so a
+steady data-dependent loop spends little of its time being recorded.
 """
 
 import contextlib
@@ -67,6 +69,7 @@ passthrough_window = 16  # flushes looked at to find a flush-heavy region
 passthrough_share = 0.75  # the share of their ops run op by op that starts running ops at once
 passthrough_ops = 2048  # ops run at once before recording is tried again
 _passthrough_left = 0  # ops still to run at once
+_passthrough_next = 0  # the length of the next stretch run at once (0: passthrough_ops)
 _outcomes = []  # per recent flush (at most passthrough_window): (ran a compiled graph, ops)
 DISPATCH_SECONDS_PER_OP = 15e-6  # what running a recorded op by its own kernel costs the host
 _compile_seconds_per_op = [2e-3, 0]  # estimate, and graphs measured (a prior until the first)
@@ -192,12 +195,12 @@ def recording() -> bool:
 
 
 def set_recording(on: bool) -> None:
-    global _recording, _passthrough_left
+    global _recording, _passthrough_left, _passthrough_next
     with _lock:
         if not on:
             flush("mode_change")
         _recording = on
-        _passthrough_left = 0
+        _passthrough_left = _passthrough_next = 0
         _outcomes.clear()
 
 
@@ -414,7 +417,7 @@ def _computed(args):
 
 
 def _note_outcome(compiled: bool, n_ops: int) -> None:
-    global _passthrough_left
+    global _passthrough_left, _passthrough_next
     _outcomes.append((compiled, n_ops))
     if len(_outcomes) > passthrough_window:
         del _outcomes[0]
@@ -422,9 +425,12 @@ def _note_outcome(compiled: bool, n_ops: int) -> None:
         return
     op_by_op = sum(n for c, n in _outcomes if not c)
     if op_by_op >= passthrough_share * sum(n for _, n in _outcomes):
-        _passthrough_left = passthrough_ops
+        _passthrough_left = _passthrough_next or passthrough_ops
+        _passthrough_next = min(2 * _passthrough_left, 32 * passthrough_ops)
         _outcomes.clear()
         stats["passthrough_regions"] += 1
+    else:
+        _passthrough_next = 0
 
 
 def _worth_compiling(key, n_ops) -> bool:
