@@ -446,8 +446,9 @@ class LoweredKernel:
         return outs, key
 
     def _run_on(self, index, fn, key, dyn, vals):
-        """The call for an op on pjrt:`index` > 0: its committed inputs pick the device; one
-        with none (a factory) runs under the device's default and is committed there."""
+        """The call on pjrt:`index` > 0 (kept off the one-device path above): the committed
+        inputs pick the device; an op with none (a factory) runs under the device's default,
+        and its results are committed there."""
         with placement.on(index):
             if self.lowering.dynamic_shape and self.lowering.has_dynamic_shape(vals):
                 outs = fn(*fusion.concrete_tree(dyn))
@@ -900,8 +901,10 @@ def write_out(target, value):
     """Write a result into an `out=` tensor, resizing it the way PyTorch does."""
     if target.device.type != "pjrt":
         raise _device_error(target)
-    if placement.multi and placement.index_of(value) != target.get_device():
-        raise _device_error(target, f"pjrt:{placement.index_of(value)}")
+    if placement.multi:
+        computed_on = placement.index_of(value)
+        if computed_on != target.get_device():
+            raise _device_error(target, f"pjrt:{computed_on}")
     if tuple(target.shape) != tuple(value.shape):
         if target.numel() != 0:
             warnings.warn(
@@ -1302,13 +1305,12 @@ def k_empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_m
 def host_to_device(t: torch.Tensor, index: int = 0):
     """A JAX array on pjrt:`index` holding a CPU tensor's values (copied)."""
     a = np.array(dtypes.numpy_from_cpu_tensor(t), copy=True)
-    default = _default_device()  # sets jax_default_device to the chosen platform's first device
+    _default_device()  # sets jax_default_device to the chosen platform's first device
     if index:
         from .device import jax_device
 
         return jax.device_put(a, jax_device(index))  # committed: the ops on it run there
     # uncommitted: jit may move it next to arrays sharded over a mesh (distributed.spmd)
-    del default
     return jax.device_put(a)
 
 
