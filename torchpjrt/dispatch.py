@@ -269,6 +269,15 @@ def _device_error(t, first="pjrt:0"):
     )
 
 
+def _op_device(on, t):
+    """The device of an op's pjrt tensors (`on`, None before the first) after meeting `t`: CUDA's
+    error when `t` is on another one."""
+    index = t.get_device()
+    if on is None or index == on:
+        return index
+    raise _device_error(t, f"pjrt:{on}")
+
+
 def _target_index(device):
     """The pjrt index a `device=` argument names (None or "pjrt": the current device), checked
     to exist and be usable; None for another device type (PyTorch's own checks then speak)."""
@@ -343,11 +352,7 @@ class LoweredKernel:
                     self._odd_tensor_arg(v, key, dyn)
                     continue
                 if multi:
-                    index = v.get_device()
-                    if on is None:
-                        on = index
-                    elif index != on:
-                        raise _device_error(v, f"pjrt:{on}")
+                    on = _op_device(on, v)
                 shape, dtype = v.shape, v.dtype
                 key.append(shape)
                 key.append(dtype)
@@ -389,11 +394,7 @@ class LoweredKernel:
                         arrays.append(h)
                     else:
                         if multi:
-                            index = t.get_device()
-                            if on is None:
-                                on = index
-                            elif index != on:
-                                raise _device_error(t, f"pjrt:{on}")
+                            on = _op_device(on, t)
                         parts.append((t.shape, t.dtype))
                         arrays.append(storage.read(t))
                 key.append(tuple(parts))
