@@ -34,7 +34,8 @@ flushes (`passthrough_share`) ran op by op rather than in a compiled graph (code
 on the host every few ops, with shapes that follow the data: an expert loop's routing, a sampling
 loop that grows the sequence), the next `passthrough_ops` ops are not recorded: each runs at
 once, as in strict mode. Then recording resumes for another look; a graph seen again meanwhile compiles as usual (its sightings are kept),
-and recording stays on as long as compiled graphs keep coming back. A look that finds the region
+and recording stays on as long as compiled graphs keep coming back (a graph last seen before the
+region counts as far away: it compiles when it has paid for its compile). A look that finds the region
 still flush-heavy doubles the next stretch run at once (up to 32 times `passthrough_ops`), so a
 steady data-dependent loop spends little of its time being recorded.
 """
@@ -416,7 +417,7 @@ def _computed(args):
 
 
 def _note_outcome(compiled: bool, n_ops: int) -> None:
-    global _passthrough_left, _passthrough_next
+    global _passthrough_left, _passthrough_next, _flushes_seen
     _outcomes.append((compiled, n_ops))
     if len(_outcomes) > passthrough_window:
         del _outcomes[0]
@@ -427,6 +428,9 @@ def _note_outcome(compiled: bool, n_ops: int) -> None:
         _passthrough_left = _passthrough_next or passthrough_ops
         _passthrough_next = min(2 * _passthrough_left, 32 * passthrough_ops)
         _outcomes.clear()
+        # what came before the region is far away by the time recording resumes: a graph seen
+        # then compiles at its next sighting only if it has paid for its compile (not by distance)
+        _flushes_seen += reuse_distance + 1
         stats["passthrough_regions"] += 1
     else:
         _passthrough_next = 0
