@@ -559,3 +559,26 @@ def test_flush_heavy_regions_run_their_ops_at_once_and_training_loops_stay_fused
     done = torchpjrt.eager_stats()
     assert done["ops_passed_through"] == before["ops_passed_through"]
     assert done["cache_hits"] - before["cache_hits"] >= 30  # its graphs compiled and came back
+
+
+def test_graphs_seen_before_a_passthrough_region_do_not_compile_by_distance(monkeypatch):
+    """A generate()-like loop that leaves and re-enters flush-heavy regions: each length's graph
+    comes back once per call, and no flushes happen while ops run at once, so counted in flushes
+    its second sighting looks close. It must not compile for that (it would not come back soon)."""
+    x = torch.arange(40.0).reshape(8, 5)  # integers: sums exact in any order (shapes no other test uses)
+
+    def generate_like(device):
+        d = x.to(device)
+        return [(d[:n].abs() + 3).sum().item() for n in range(1, 9)]
+
+    expected = generate_like("cpu")
+    torchpjrt.set_eager_mode("fused")
+    monkeypatch.setattr(fusion, "passthrough_window", 4)
+    monkeypatch.setattr(fusion, "passthrough_ops", 7)  # recording resumes within a call
+    monkeypatch.setattr(fusion, "_compile_seconds_per_op", [2e-3, 0])
+    before = torchpjrt.eager_stats()
+    for _ in range(6):
+        assert generate_like(DEV) == expected
+    after = torchpjrt.eager_stats()
+    assert after["passthrough_regions"] - before["passthrough_regions"] >= 3
+    assert after["graphs_compiled"] == before["graphs_compiled"]
