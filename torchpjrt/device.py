@@ -175,10 +175,10 @@ def device_count() -> int:
 
 def current_device() -> int:
     """The current pjrt device of this thread (as CUDA's, per thread; pjrt:0 at first)."""
-    from . import placement
+    from . import native, placement
 
     if placement._guard_count:
-        return placement.native_library().torchpjrt_current_device()
+        return native.library().torchpjrt_current_device()
     return _current_device
 
 
@@ -188,11 +188,11 @@ def set_device(device) -> None:
     index = _index(device)
     if index < 0:
         return  # like torch.cuda.set_device: a negative index selects nothing
-    from . import placement
+    from . import native, placement
 
     placement.require(index)
     if placement._guard_count:
-        placement.native_library().torchpjrt_set_current_device(index)
+        native.library().torchpjrt_set_current_device(index)
     else:
         _current_device = index
 

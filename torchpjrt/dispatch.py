@@ -281,16 +281,12 @@ def _op_device(on, t):
 def _target_index(device):
     """The pjrt index a `device=` argument names (None or "pjrt": the current device), checked
     to exist and be usable; None for another device type (PyTorch's own checks then speak)."""
-    if device is None:
-        from .device import current_device
+    from .device import current_device
 
-        return current_device()
-    d = device if isinstance(device, torch.device) else torch.device(device)
-    if d.type != "pjrt":
+    d = device if device is None or isinstance(device, torch.device) else torch.device(device)
+    if d is not None and d.type != "pjrt":
         return None
-    if d.index is None:
-        from .device import current_device
-
+    if d is None or d.index is None:
         return current_device()
     placement.require(d.index)
     return d.index

@@ -33,11 +33,12 @@ kernel costs more than running it at once, so when most ops of the last `passthr
 flushes (`passthrough_share`) ran op by op rather than in a compiled graph (code that reads values
 on the host every few ops, with shapes that follow the data: an expert loop's routing, a sampling
 loop that grows the sequence), the next `passthrough_ops` ops are not recorded: each runs at
-once, as in strict mode. Then recording resumes for another look; a graph seen again meanwhile compiles as usual (its sightings are kept),
-and recording stays on as long as compiled graphs keep coming back (a graph last seen before the
-region counts as far away: it compiles when it has paid for its compile). A look that finds the region
-still flush-heavy doubles the next stretch run at once (up to 32 times `passthrough_ops`), so a
-steady data-dependent loop spends little of its time being recorded.
+once, as in strict mode. Then recording resumes for another look; a graph seen again meanwhile
+compiles as usual (its sightings are kept), and recording stays on as long as compiled graphs
+keep coming back (a graph last seen before the region counts as far away: it compiles when it
+has paid for its compile). A look that finds the region still flush-heavy doubles the next
+stretch run at once (up to 32 times `passthrough_ops`), so a steady data-dependent loop spends
+little of its time being recorded.
 """
 
 import contextlib

@@ -12,7 +12,7 @@ until the first tensor lands on another index. From then on:
   that device's JAX default and is committed there (`run_on`);
 - the kernels an op compiles are keyed by device (dispatch), so each device has its own
   executables, and fused mode keeps one pending graph per device (fusion);
-- tensors of one op must share a device, as on CUDA (`check_same`).
+- tensors of one op must share a device, as on CUDA (dispatch's `_op_device`).
 """
 
 import contextlib
@@ -21,7 +21,7 @@ import threading
 
 import jax
 
-from . import fusion
+from . import fusion, native
 
 multi = False  # whether any tensor has been placed on an index other than 0
 _lock = threading.Lock()
@@ -37,8 +37,6 @@ def register_devices(count: int) -> None:
     global _guard_count, _engine_devices
     if count <= 1 or _guard_count:
         return
-    from . import native
-
     lib = native.library()
     if lib is None:
         return
@@ -50,8 +48,11 @@ def register_devices(count: int) -> None:
 def _autograd_worker_devices():
     """How many device worker threads PyTorch's autograd engine started (it names them
     pt_autograd_<device>), or None when it has not started them yet (or this OS does not say)."""
+    names = []
     try:
-        names = [open(f"/proc/self/task/{tid}/comm").read().strip() for tid in os.listdir("/proc/self/task")]
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
     except OSError:
         return None
     workers = [n for n in names if n.startswith("pt_autograd_")]
@@ -63,7 +64,7 @@ def require(index: int) -> None:
     global multi
     if index == 0 or (multi and index < _guard_count):
         return
-    from . import device, native
+    from . import device
 
     count = device.device_count()
     if not 0 <= index < count:
@@ -103,8 +104,6 @@ def _backward_in_calling_thread() -> None:
 
 def place(t, index: int) -> None:
     """Move the new tensor `t` (alone on its storage) to pjrt:`index`."""
-    from . import native
-
     native.library().torchpjrt_place(t._cdata, index)
 
 
@@ -127,12 +126,6 @@ def index_of(array) -> int:
             index = next((i for i, d in enumerate(jax_devices()) if d == dev), 0)
         _index_by_sharding[sharding] = index
     return index
-
-
-def check_same(first: int, other, t) -> None:
-    if other != first:
-        raise RuntimeError("Expected all tensors to be on the same device, but found at least two devices, "
-                           f"pjrt:{first} and pjrt:{other}!")
 
 
 def ambient() -> int:
@@ -160,7 +153,7 @@ def commit(tree, index: int):
 
     dev = jax_device(index)
     return jax.tree_util.tree_map(
-        lambda a: jax.device_put(a, dev) if isinstance(a, jax.Array) and type(a) is not fusion.Pending else a, tree)
+        lambda a: jax.device_put(a, dev) if isinstance(a, jax.Array) else a, tree)  # a Pending is none
 
 
 def run_on(index: int, fn, *args):
@@ -168,9 +161,3 @@ def run_on(index: int, fn, *args):
     with on(index):
         out = fn(*args)
     return commit(out, index)
-
-
-def native_library():
-    from . import native
-
-    return native.library()
