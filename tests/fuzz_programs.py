@@ -456,9 +456,16 @@ class Builder:
         self.steps = []
         self.values = []  # CPU value of each value index
         self.reads = []
-        # storages with views from split/chunk/unbind that require grad: writing into them makes
+        # values from split/chunk/unbind that require grad: writing into their storages makes
         # pjrt raise at the next use of such a view (known, in test_fuzz.REGRESSIONS)
-        self.split_storages = set()
+        self.split_values = []
+
+    @property
+    def split_storages(self):
+        """The storages of split_values, keyed from the live values: a key kept from an earlier
+        run (before a replay) could name a freed address that a new storage reuses, and the
+        candidates, hence the draws, would then depend on the allocator."""
+        return {_storage_key(self.values[i]) for i in self.split_values}
 
     # -- drawing helpers ----------------------------------------------------------------------
 
@@ -526,10 +533,10 @@ class Builder:
         if not all(isinstance(v, torch.Tensor) for v in produced):
             return None
         keep = step.op == "input" or not self.flag(4)
-        if step.op in SEQUENCE_OPS and any(t.requires_grad for t in produced):
-            self.split_storages.update(_storage_key(t) for t in produced)
-        self.steps.append(dataclasses.replace(step, n_out=len(produced), keep=keep))
         first = len(self.values)
+        if step.op in SEQUENCE_OPS and any(t.requires_grad for t in produced):
+            self.split_values.extend(range(first, first + len(produced)))
+        self.steps.append(dataclasses.replace(step, n_out=len(produced), keep=keep))
         self.values.extend(produced)
         return [Ref(first + i) for i in range(len(produced))]
 

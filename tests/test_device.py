@@ -127,3 +127,14 @@ def test_import_torch_alone_makes_pjrt_usable():
                          capture_output=True, text=True, timeout=300,
                          env={**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
     assert off.stdout.strip() == "False", off.stderr[-2000:]
+
+
+def test_copying_to_the_device_leaves_the_cpu_tensor_resizable():
+    """x.to("pjrt") reads x without marking its storage as never resizable (Tensor.numpy() would;
+    CUDA's copy does not)."""
+    for dtype in (torch.float32, torch.bfloat16, torch.bool, torch.complex64, torch.uint16):
+        x = torch.arange(6.0).to(dtype).view(2, 3).t()
+        on_device = x.to("pjrt")
+        assert torch.equal(on_device.cpu(), x)
+        x.resize_(12)  # raised "Trying to resize storage that is not resizable"
+        assert x.shape == (12,)

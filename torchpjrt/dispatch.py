@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch._ops import OpOverload
 
-from . import device_checks, dtypes, eager, fusion, kernel_cache, live_programs, placement, random_state, storage
+from . import device_checks, dtypes, eager, fusion, kernel_cache, live_programs, native, placement, random_state, storage
 from .ops import TABLE, Lowering
 
 aten = torch.ops.aten
@@ -490,6 +490,8 @@ class LoweredKernel:
 
     def _build(self, vals, key):
         storage.default_device()  # picks the platform (TORCHPJRT_PLATFORM) before compiling
+        if not _native_views_on:
+            update_view_kernels()  # the compiled helper may have finished building
         if self.checked_functional is not None:
             _check_inplace_cast(self.checked_functional, vals)
         if self._signature_check is not None:
@@ -960,11 +962,25 @@ def make_view_kernel(op):
                 plans[key] = plan
         is_list, geoms = plan
         stats["view"] += 1
+        if op is aten.as_strided.default:
+            _check_in_storage(self, *geoms[0])
         if is_list:
             return [storage.alias(self, *g) for g in geoms]
         return storage.alias(self, *geoms[0])
 
     return view_kernel
+
+
+def _check_in_storage(base, size, stride, offset, dtype):
+    """CPU's check that an as_strided view stays inside its storage (the meta kernel that made the
+    plan only sees the input view's extent)."""
+    itemsize = dtype.itemsize
+    need = itemsize * (offset + 1 + sum((n - 1) * st for n, st in zip(size, stride))) if all(size) else 0
+    have = base.untyped_storage().nbytes()
+    if need > have:
+        raise RuntimeError(f"setStorage: sizes {list(size)}, strides {list(stride)}, storage offset {offset}, and "
+                           f"itemsize {itemsize} requiring a storage size of {need} are out of bounds for storage of "
+                           f"size {have}")
 
 
 def _view_plan(op, args, kwargs):
@@ -989,6 +1005,51 @@ def inplace_view_kernel(op, args, kwargs):
         raise as_cpu_error(op, e) from None
     storage.set_geometry(self, tuple(m.shape), m.stride(), m.storage_offset())
     return self
+
+
+# ---- native view kernels -----------------------------------------------------------------
+# Composite kernels reduce t(), transpose, slicing, expand, detach, ... to as_strided, view and
+# _reshape_alias. The compiled helper (csrc/views.cpp) registers CPU's kernels for those three:
+# the geometry and errors of the Python view kernel above without a trip into Python. Debug
+# mode keeps the Python kernels (it logs and times every op), as does a process without the
+# helper. The first process on a machine runs with them until the helper's build is done.
+
+_NATIVE_VIEW_OPS = frozenset({aten.as_strided.default, aten.view.default, aten._reshape_alias.default})
+_native_views_on = False
+native_views_wanted = True  # False: the Python kernels even with the helper loaded (tests compare both)
+_python_views = None  # the Library with the Python kernels of _NATIVE_VIEW_OPS, while those are used
+
+
+def native_views_enabled() -> bool:
+    return _native_views_on
+
+
+def update_view_kernels() -> None:
+    """Register the native view kernels when the helper is loaded and debug mode is off, the
+    Python ones otherwise. Called outside any view op's call (a kernel is never replaced while
+    it runs)."""
+    global _native_views_on, _python_views
+    if not _libs:
+        return  # before register(): it calls this at its end
+    with _register_lock:
+        wanted = native_views_wanted and not eager.debug_enabled and storage.storage_words_known()
+        lib = native.start() if wanted else None
+        if lib is not None:
+            if not _native_views_on:
+                if _python_views is not None:
+                    _python_views._destroy()
+                    _python_views = None
+                lib.torchpjrt_native_views(1)
+                _native_views_on = True
+            return
+        if _native_views_on:
+            native.library().torchpjrt_native_views(0)
+            _native_views_on = False
+        if _python_views is None:
+            views = torch.library.Library("aten", "IMPL")
+            for op in _NATIVE_VIEW_OPS:
+                views.impl(_qualname(op), _instrumented(op, make_view_kernel(op)), "PrivateUse1")
+            _python_views = views
 
 
 # ---- the fallback for everything not registered directly ------------------------------
@@ -1084,7 +1145,7 @@ def _register_direct(op, kernel):
     later calls skip the boxed fallback (op lookups hash the OpOverload in Python). An op that
     reaches the fallback has no composite kernel that a backend kernel would shadow."""
     with _register_lock:
-        if op in _registered_late or not _libs or op.namespace != "aten":
+        if op in _registered_late or not _libs or op.namespace != "aten" or op in _NATIVE_VIEW_OPS:
             return
         _registered_late.add(op)
         _libs[0].impl(_qualname(op), _instrumented(op, kernel), "PrivateUse1")
@@ -1301,7 +1362,7 @@ def k_empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_m
 
 def host_to_device(t: torch.Tensor, index: int = 0):
     """A JAX array on pjrt:`index` holding a CPU tensor's values (copied)."""
-    a = np.array(dtypes.numpy_from_cpu_tensor(t), copy=True)
+    a = np.array(dtypes.numpy_from_cpu_tensor(t, to_copy=True), copy=True)
     _default_device()  # sets jax_default_device to the chosen platform's first device
     if index:
         from .device import jax_device
@@ -1587,4 +1648,5 @@ def register():
     # ops reach the sparse keys, refused by name too
     for key in ("SparsePrivateUse1", "SparseCsrPrivateUse1"):
         fb.fallback(_sparse_unsupported, dispatch_key=key, with_keyset=True)
+    update_view_kernels()
 

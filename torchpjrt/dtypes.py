@@ -59,18 +59,32 @@ _HOST_BITCAST = {
 }
 
 
-def numpy_from_cpu_tensor(t: torch.Tensor) -> np.ndarray:
-    """A numpy array (of the matching JAX dtype) holding a CPU tensor's values."""
+def numpy_from_cpu_tensor(t: torch.Tensor, *, to_copy: bool = False) -> np.ndarray:
+    """A numpy array (of the matching JAX dtype) holding a CPU tensor's values. With `to_copy`
+    (the caller copies it at once) it is borrowed through DLPack: Tensor.numpy() would mark the
+    tensor's storage as never resizable again, which x.to("pjrt") must not do to x (CUDA's
+    copy does not)."""
     to_jax(t.dtype)  # a dtype the device cannot hold is refused here, by name
     t = t.detach()
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
-    via = _HOST_BITCAST.get(t.dtype)
+    dtype = t.dtype
+    via = _HOST_BITCAST.get(dtype)
     if via is not None:
-        return t.contiguous().view(via[0]).numpy().view(TORCH_TO_JAX[t.dtype])
-    return t.numpy()
+        t = t.contiguous().view(via[0])
+    a = _borrowed(t) if to_copy else None
+    if a is None:
+        a = t.numpy()
+    return a if via is None else a.view(TORCH_TO_JAX[dtype])
+
+
+def _borrowed(t):
+    try:
+        return np.from_dlpack(t)
+    except (BufferError, TypeError, RuntimeError, ValueError):
+        return None  # a layout or dtype DLPack does not carry: Tensor.numpy() reads it
 
 
 def cpu_tensor_from_numpy(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:

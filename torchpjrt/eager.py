@@ -70,6 +70,9 @@ def set_eager_mode(mode: str, *, max_ops: int = None, compile_after: int = None,
         _module_boundaries(mode == "fused")
         debug_enabled = mode == "debug"
         _mode = mode
+    from . import dispatch
+
+    dispatch.update_view_kernels()  # debug mode logs every op: Python view kernels
 
 
 def _set_debug_options(nans, ops):

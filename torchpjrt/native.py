@@ -1,15 +1,22 @@
-"""The one compiled helper: csrc/device_guard.cpp, built on first need with the host's C++
-compiler and loaded with ctypes.
+"""The compiled helper: the C++ sources in csrc/, built with the host's C++ compiler and loaded
+with ctypes.
 
-PyTorch's Python device backend can only say "one device, index 0" (see the source file), so
-several pjrt devices in one process need a few lines of C++ against PyTorch's c10 headers.
-It is built, not shipped: a wheel would tie it to one PyTorch build, and the build takes a few
-seconds once per PyTorch and source version (kept under $XDG_CACHE_HOME/torchpjrt/native).
-Without a compiler the package works as before with pjrt:0 only, and asking for another index
-says why.
+- csrc/device_guard.cpp: several pjrt devices in one process (PyTorch's Python device backend
+  can only say "one device, index 0").
+- csrc/views.cpp: CPU's own kernels for the view ops that reach the device (as_strided, view,
+  _reshape_alias), in place of a trip into Python per view;
+- csrc/storage.cpp: a storage's address and size in bytes, set in one call.
+
+It is built, not shipped: a wheel would tie it to one PyTorch build. The build takes a few
+seconds once per PyTorch and source version and is kept under $XDG_CACHE_HOME/torchpjrt/native.
+The first process on a machine starts it in the background (`start`) and runs with the Python
+kernels until it is ready; a caller that needs it at once (a second device) waits for it.
+Without a compiler, or with TORCHPJRT_NATIVE=off, the package works as before: Python view
+kernels, and pjrt:0 only, where asking for another index says why.
 """
 
 import ctypes
+import glob
 import hashlib
 import os
 import shutil
@@ -18,13 +25,16 @@ import sys
 import sysconfig
 import tempfile
 import threading
+import time
 
 import torch
 
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "device_guard.cpp")
+_SOURCES = sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "*.cpp")))
 _lock = threading.Lock()
 _library = None
 _failure = None  # why the helper could not be built or loaded
+_building = None  # (target, the compiler's process or None for another process's) of a build under way
+_BUILD_SECONDS_MAX = 300  # a lock file older than this was left by a build that died
 
 
 def _build_directory() -> str:
@@ -39,61 +49,140 @@ def _compiler():
     return None
 
 
-def _build(target: str) -> None:
+def _spawn_build(target: str):
+    """Start compiling the sources into `target` in the background: a shell that runs the compiler
+    into a temporary file and renames it, so that the build completes even if this process ends
+    first. None when another process is building it now (its lock file is fresh)."""
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++ or clang++)")
-    torch_dir = os.path.dirname(torch.__file__)
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     os.makedirs(os.path.dirname(target), exist_ok=True)
+    lock = target + ".building"
+    try:
+        os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        try:
+            if time.time() - os.path.getmtime(lock) < _BUILD_SECONDS_MAX:
+                return None
+            os.unlink(lock)  # left by a build that died
+        except OSError:
+            pass
+        return _spawn_build(target)
+    torch_dir = os.path.dirname(torch.__file__)
+    lib_dir = os.path.join(torch_dir, "lib")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), suffix=".so")
     os.close(fd)
-    command = [compiler, "-O2", "-std=c++20", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-               "-I", os.path.join(torch_dir, "include"), _SOURCE, "-L", os.path.join(torch_dir, "lib"), "-lc10",
-               f"-Wl,-rpath,{os.path.join(torch_dir, 'lib')}", "-o", tmp]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"{' '.join(command[:1])} failed:\n{done.stderr.strip()[-2000:]}")
-    os.replace(tmp, target)  # whole or not at all: another process may load the same path
+    compile_command = [compiler, "-O2", "-std=c++20", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+                       "-I", os.path.join(torch_dir, "include"),
+                       "-I", os.path.join(torch_dir, "include", "torch", "csrc", "api", "include"),
+                       *_SOURCES, "-L", lib_dir, "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib_dir}"]
+    script = 'tmp=$1; target=$2; lock=$3; shift 3; "$@" -o "$tmp" && mv -f "$tmp" "$target"; ' \
+             'status=$?; rm -f "$tmp" "$lock"; exit $status'
+    return subprocess.Popen(["/bin/sh", "-c", script, "sh", tmp, target, lock, *compile_command],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _build_done(target: str, process, wait: bool) -> bool:
+    """Whether the build of `target` (by `process`, or by another process when None) is over;
+    raises the compiler's output when it failed."""
+    if process is None:
+        lock = target + ".building"
+        while os.path.exists(lock) and not os.path.exists(target):
+            if not wait:
+                return False
+            time.sleep(0.1)
+        return True
+    if not wait and process.poll() is None:
+        return False
+    _, err = process.communicate()
+    if process.returncode != 0:
+        raise RuntimeError(f"{os.path.basename(process.args[7])} failed:\n{err.strip()[-2000:]}")
+    return True
 
 
 def _target() -> str:
-    with open(_SOURCE, "rb") as f:
-        source = f.read()
-    key = hashlib.sha256(source + repr((torch.__version__, torch.__file__, sys.version,
-                                        sysconfig.get_platform())).encode()).hexdigest()[:20]
-    return os.path.join(_build_directory(), key, "device_guard.so")
+    digest = hashlib.sha256()
+    for path in _SOURCES:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    digest.update(repr((torch.__version__, torch.__file__, sys.version, sysconfig.get_platform())).encode())
+    return os.path.join(_build_directory(), digest.hexdigest()[:20], "torchpjrt_native.so")
 
 
-def library():
-    """The loaded helper, or None (then `failure()` says why)."""
-    global _library, _failure
-    if _library is not None or _failure is not None:
-        return _library
+def _disabled() -> bool:
+    return os.environ.get("TORCHPJRT_NATIVE", "on").strip().lower() in ("0", "off", "false")
+
+
+def _load(path: str):
+    lib = ctypes.CDLL(path)
+    lib.torchpjrt_place.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.torchpjrt_place.restype = None
+    lib.torchpjrt_register_guard.argtypes = [ctypes.c_int]
+    lib.torchpjrt_current_device.restype = ctypes.c_int
+    lib.torchpjrt_set_current_device.argtypes = [ctypes.c_int]
+    lib.torchpjrt_native_views.argtypes = [ctypes.c_int]
+    lib.torchpjrt_native_views.restype = None
+    lib.torchpjrt_give_storage.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64]
+    lib.torchpjrt_give_storage.restype = None
+    return lib
+
+
+def _settle(wait: bool):
+    """Load the helper, building it first if needed: in the background when `wait` is false
+    (then None until a later call finds the build done)."""
+    global _library, _failure, _building
     with _lock:
         if _library is not None or _failure is not None:
             return _library
-        if os.environ.get("TORCHPJRT_NATIVE", "on").strip().lower() in ("0", "off", "false"):
+        if _disabled():
             _failure = "TORCHPJRT_NATIVE=off"
             return None
         try:
-            target = _target()
-            if not os.path.exists(target):
+            if _building is None:
+                target = _target()
+                if os.path.exists(target):
+                    _library = _load(target)
+                    return _library
                 try:
-                    _build(target)
+                    _building = (target, _spawn_build(target))
                 except OSError:  # a cache directory we cannot write: build in a private one
-                    target = os.path.join(tempfile.mkdtemp(prefix="torchpjrt-native-"), "device_guard.so")
-                    _build(target)
-            lib = ctypes.CDLL(target)
-            lib.torchpjrt_place.argtypes = [ctypes.c_void_p, ctypes.c_int]
-            lib.torchpjrt_place.restype = None
-            lib.torchpjrt_register_guard.argtypes = [ctypes.c_int]
-            lib.torchpjrt_current_device.restype = ctypes.c_int
-            lib.torchpjrt_set_current_device.argtypes = [ctypes.c_int]
-            _library = lib
-        except Exception as e:  # noqa: BLE001 - any failure leaves the package working on pjrt:0
+                    target = os.path.join(tempfile.mkdtemp(prefix="torchpjrt-native-"), os.path.basename(target))
+                    _building = (target, _spawn_build(target))
+            target, process = _building
+            if not _build_done(target, process, wait):
+                return None
+            _building = None
+            if not os.path.exists(target):  # another process's build failed: build here
+                _building = (target, _spawn_build(target))
+                if not _build_done(target, _building[1], wait):
+                    return None
+                _building = None
+            _library = _load(target)
+        except Exception as e:  # noqa: BLE001 - any failure leaves the package on its Python kernels
+            _building = None
             _failure = f"{type(e).__name__}: {e}"
+    return _library
+
+
+def start():
+    """The helper if it is ready now; otherwise start building it in the background (once) and
+    return None. Call again to pick it up."""
+    if _library is not None or _failure is not None:
+        return _library
+    return _settle(wait=False)
+
+
+def library():
+    """The loaded helper, waiting for its build if one is under way; None when it cannot be
+    built or loaded (then `failure()` says why)."""
+    if _library is not None or _failure is not None:
+        return _library
+    return _settle(wait=True)
+
+
+def loaded():
+    """The helper if it is loaded, without starting or waiting for anything."""
     return _library
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from jax import lax
 
-from . import dtypes, fusion, placement
+from . import dtypes, fusion, native, placement
 from .fusion import call
 
 _create_empty = torch._C._acc.create_empty_tensor
@@ -526,24 +526,27 @@ _next_address = _ADDRESS_BASE
 _address_lock = threading.Lock()
 
 
-def _find_data_pointer_word():
-    """Byte offset of the data pointer inside a c10 StorageImpl, read off a CPU storage whose
-    pointer is known; None if this PyTorch lays storages out otherwise."""
-    probe = torch.UntypedStorage(64)
-    words = (ctypes.c_uint64 * 8).from_address(probe._cdata)
-    for i, word in enumerate(words):
-        if word == probe.data_ptr():
-            return i * 8
-    warnings.warn("torchpjrt: cannot find the data pointer of a c10 storage in this PyTorch build; "
-                  "pjrt storages report data_ptr() == 0", RuntimeWarning, stacklevel=2)
-    return None
+def _find_storage_words():
+    """Byte offsets of the data pointer and of the size in bytes inside a c10 StorageImpl, read
+    off CPU storages whose values are known; (None, None) if this PyTorch lays storages out
+    otherwise."""
+    probes = [torch.UntypedStorage(n) for n in (72, 1160)]
+    words = [(ctypes.c_uint64 * 12).from_address(p._cdata) for p in probes]
+    pointer = next((i * 8 for i, w in enumerate(words[0]) if w == probes[0].data_ptr()), None)
+    size = next((i * 8 for i in range(12) if all(w[i] == p.nbytes() for w, p in zip(words, probes))), None)
+    if pointer is None or size is None:
+        warnings.warn("torchpjrt: cannot find the data pointer of a c10 storage in this PyTorch build; "
+                      "pjrt storages report data_ptr() == 0", RuntimeWarning, stacklevel=2)
+        return None, None
+    return pointer, size
 
 
-_DATA_POINTER_OFFSET = _find_data_pointer_word()
+_DATA_POINTER_OFFSET, _SIZE_OFFSET = _find_storage_words()
 
 
 def give_address(s: torch.UntypedStorage, nbytes: int) -> None:
-    """Give the c10 storage `s` a fresh address for `nbytes` bytes (0 for none, as on CPU)."""
+    """Give the c10 storage `s` a fresh address for `nbytes` bytes (0 for none, as on CPU), and
+    `nbytes` as its size (what CPU's view kernels check a view against)."""
     global _next_address
     if _DATA_POINTER_OFFSET is None:
         return
@@ -552,7 +555,17 @@ def give_address(s: torch.UntypedStorage, nbytes: int) -> None:
         with _address_lock:
             address = _next_address
             _next_address += -(-nbytes // _ADDRESS_ALIGN) * _ADDRESS_ALIGN
-    ctypes.c_uint64.from_address(s._cdata + _DATA_POINTER_OFFSET).value = address
+    lib = native.loaded()
+    if lib is not None:
+        lib.torchpjrt_give_storage(s._cdata, address, nbytes)
+    else:
+        ctypes.c_uint64.from_address(s._cdata + _DATA_POINTER_OFFSET).value = address
+        ctypes.c_int64.from_address(s._cdata + _SIZE_OFFSET).value = nbytes
+
+
+def storage_words_known() -> bool:
+    """Whether pjrt storages carry their address and size (else CPU's view kernels are not used)."""
+    return _DATA_POINTER_OFFSET is not None
 
 
 # ---- what the device can hold ------------------------------------------------------------
