@@ -325,6 +325,8 @@ class LoweredKernel:
         self._factory = "device" in self.sig.names and self.n_inputs == self.sig.n
         self._device_pos = self.sig.names.index("device") if "device" in self.sig.names else None
         self._call_check, self._signature_check = _ARGUMENT_CHECKS.get(op, (None, None))
+        self._random, self._dynamic_shape = lowering.random, lowering.dynamic_shape  # read per call
+        self._has_check = lowering.check is not None
 
     def compute(self, vals):
         """The lowering's outputs (a tuple of jax arrays) for normalized argument values."""
@@ -365,8 +367,9 @@ class LoweredKernel:
                         key.append((st.shape, st.dtype, v.stride()))
                         dyn.append((st.value(), offset))
             elif k == SCALAR:
-                if scalar_is_static(v, i, static_positions):
-                    key.append(("s", type(v), v))  # True == 1 == 1.0: the type tells them apart
+                t = v.__class__
+                if v is None or t is bool or (t is int and v == 1) or i in static_positions:  # scalar_is_static
+                    key.append(("s", t, v))  # True == 1 == 1.0: the type tells them apart
                 else:
                     if isinstance(v, torch.Tensor):
                         v = v.item()
@@ -409,9 +412,9 @@ class LoweredKernel:
                 on, target = target, None
         if on:
             key.append(("pjrt", on))
-        if self.lowering.random:
+        if self._random:
             dyn.append(random_state.next_seed_offset(on or 0))
-        checked = self.lowering.check is not None and device_checks.enabled
+        checked = self._has_check and device_checks.enabled
         if checked:
             key.append("checked")
         key = tuple(key)
@@ -423,7 +426,7 @@ class LoweredKernel:
         try:
             if on:
                 outs = self._run_on(on, fn, key, dyn, vals)
-            elif self.lowering.dynamic_shape and self.lowering.has_dynamic_shape(vals):
+            elif self._dynamic_shape and self.lowering.has_dynamic_shape(vals):
                 # data-dependent output shapes (nonzero, unique): the inputs must be known
                 outs = fn(*fusion.concrete_tree(dyn))
             elif fusion._recording:

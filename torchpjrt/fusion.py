@@ -227,19 +227,27 @@ def call(fn, *args):
             raise device_error(e) from e
     traced = getattr(fn, "traceable", fn)  # a kernel_cache.CachedKernel is traced as its jitted form
     leaves, treedef = jax.tree_util.tree_flatten(args)
-    return _add_node(traced, fn, treedef, leaves, _output_avals(traced, treedef, leaves))
+    out_treedef, avals = _output_avals(traced, treedef, leaves)
+    return jax.tree_util.tree_unflatten(out_treedef, _add_node(traced, fn, treedef, leaves, avals))
 
 
 def record_keyed(avals_cache, key, fn, args):
-    """`call` for a caller whose `key` already fixes the argument shapes and dtypes."""
+    """`call` for a caller whose `key` already fixes the argument shapes and dtypes, and so the
+    structure of `args` and of the outputs: both are worked out once per key."""
     if _passthrough_left and _pass_through():
         return fn(*_computed(args))
-    traced = getattr(fn, "traceable", fn)
-    leaves, treedef = jax.tree_util.tree_flatten(args)
     entry = avals_cache.get(key)
     if entry is None:
-        entry = avals_cache[key] = _output_avals(traced, treedef, leaves)
-    return _add_node(traced, fn, treedef, leaves, entry)
+        traced = getattr(fn, "traceable", fn)
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        out_treedef, avals = _output_avals(traced, treedef, leaves)
+        flat_in = treedef == jax.tree_util.tree_structure(list(range(len(leaves))))
+        flat_out = out_treedef == jax.tree_util.tree_structure(tuple(range(len(avals))))
+        entry = avals_cache[key] = (traced, treedef, flat_in, out_treedef, avals, flat_out)
+    traced, treedef, flat_in, out_treedef, avals, flat_out = entry
+    leaves = args if flat_in else jax.tree_util.tree_leaves(args)
+    pendings = _add_node(traced, fn, treedef, leaves, avals)
+    return tuple(pendings) if flat_out else jax.tree_util.tree_unflatten(out_treedef, pendings)
 
 
 def _output_avals(fn, treedef, leaves):
@@ -276,8 +284,8 @@ def _eval_shape(fn, treedef, leaves, sig):
     return out_treedef, [(a.shape, a.dtype, a.weak_type) for a in avals]
 
 
-def _add_node(fn, runner, treedef, leaves, entry):
-    out_treedef, avals = entry
+def _add_node(fn, runner, treedef, leaves, avals):
+    """Record fn on `leaves` into the pending graph: its outputs' Pendings, in order."""
     with _lock:
         g = _graph
         task = _current_task()
@@ -311,12 +319,12 @@ def _add_node(fn, runner, treedef, leaves, entry):
         g.nodes.append((fn, treedef, tuple(refs), first))
         g.runners.append(runner)
         pendings = [Pending(a[0], a[1], a[2], g, first + i) for i, a in enumerate(avals)]
-        g.outputs.extend([weakref.ref(p) for p in pendings])
+        g.outputs.extend(map(weakref.ref, pendings))
         stats["ops_recorded"] += 1
         full = len(g.nodes) >= max_ops
     if full:
         flush("max_ops")
-    return jax.tree_util.tree_unflatten(out_treedef, pendings)
+    return pendings
 
 
 def _device_of(leaves, g) -> int:

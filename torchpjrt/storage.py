@@ -38,10 +38,10 @@ class Storage:
     __slots__ = ("array", "shape", "dtype", "version", "views", "raw", "device", "__weakref__")
 
     def __init__(self, array, dtype: torch.dtype, shape=None, device=0):
-        self.array = None  # None until first written: an uninitialized (empty) storage
+        self.array = array  # None until first written: an uninitialized (empty) storage
         self.device = device  # the pjrt index an uninitialized storage materializes on
-        if array is not None:
-            self._hold(array)
+        if array is not None and type(array) is fusion.Pending:
+            fusion.track(self)  # swapped for the computed array when the graph runs
         self.shape = tuple(array.shape) if array is not None else tuple(shape)
         self.dtype = dtype
         self.version = 0
