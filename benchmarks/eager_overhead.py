@@ -6,7 +6,10 @@
 2. an MLP training step (Linear 256-512-512-10, GELU, batch 128, SGD);
 3. host cost per op by kind (elementwise, reduction, matmul, view, in-place) on 64x64 float32:
    a loop of the op with one wait at the end, next to raw `jax.jit` of the same computation
-   (the floor any JAX-backed device pays) and torch eager; best of several repeats.
+   (the floor any JAX-backed device pays) and torch eager; best of several repeats;
+4. view kernels: the transformers training steps of benchmarks/models.py (GPT-2, LLaMA, tiny)
+   in strict and fused mode with the compiled helper's view kernels and with the Python ones,
+   switched back and forth in this process (skipped without the helper, or with --quick).
 The baseline is torch eager on the CPU, or with `--baseline cuda` on the same machine's GPU
 (what pjrt on a GPU competes with). Rounds alternate between targets so machine drift hits
 both alike; ratios use medians.
@@ -123,10 +126,55 @@ def op_kinds(baseline, n=2000, repeats=7):
             for kind, (p, t, j) in cases.items()}
 
 
+def view_kernel_steps(models=("gpt2", "llama"), rounds=5, steps=5):
+    """{(model, mode): (native s/step, Python s/step)}: the same step with each view path."""
+    import copy
+
+    from torchpjrt import dispatch, native
+    from torchpjrt.bench import workloads
+
+    if native.library() is None:
+        return {}
+    results = {}
+    for name in models:
+        for mode in ("strict", "fused"):
+            torchpjrt.set_eager_mode(mode)
+            torch.manual_seed(0)
+            w = workloads.build(name, "tiny", None, None)
+            model = copy.deepcopy(w.model).train().to("pjrt")
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            batch = tuple(t.to("pjrt") for t in w.batch_fn(w.batch_size, "cpu"))
+
+            def step():
+                loss = w.loss_fn(model(*batch), batch)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                return loss.item()
+
+            times = {True: [], False: []}
+            for r in range(rounds + 1):
+                for native_views in (True, False):
+                    dispatch.native_views_wanted = native_views
+                    dispatch.update_view_kernels()
+                    t0 = time.perf_counter()
+                    for _ in range(steps if r else 3):  # round 0 warms up (compiles) both
+                        step()
+                    if r:
+                        times[native_views].append((time.perf_counter() - t0) / steps)
+            results[(name, mode)] = (statistics.median(times[True]), statistics.median(times[False]))
+    dispatch.native_views_wanted = True
+    dispatch.update_view_kernels()
+    torchpjrt.set_eager_mode("strict")
+    return results
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", default="cpu", choices=("cpu", "cuda"), help="torch eager device to compare with")
-    baseline = parser.parse_args().baseline
+    parser.add_argument("--quick", action="store_true", help="skip part 4 (model steps with each view path)")
+    args = parser.parse_args()
+    baseline = args.baseline
     devices = [baseline, "pjrt"]
     add_t = {d: [] for d in devices}
     jax_t = []
@@ -157,6 +205,18 @@ def main():
     print(f"{'op kind':22s} {'pjrt':>9s} {'jax.jit':>9s} {'torch ' + baseline:>10s} {'pjrt/jit':>9s} {'pjrt/' + baseline:>10s}")
     for kind, (p, jt, t) in op_kinds(baseline).items():
         print(f"{kind:22s} {p * 1e6:7.1f}us {jt * 1e6:7.1f}us {t * 1e6:8.1f}us {p / jt:8.2f}x {p / t:9.2f}x")
+    if args.quick:
+        return
+    steps = view_kernel_steps()
+    if not steps:
+        from torchpjrt import native
+
+        print(f"\nview kernels: the compiled helper is not available ({native.failure()})")
+        return
+    print("\ntraining step with the compiled helper's view kernels vs the Python ones (medians, same process)")
+    print(f"{'model':8s} {'mode':7s} {'native':>10s} {'python':>10s} {'python/native':>14s}")
+    for (name, mode), (n, py) in steps.items():
+        print(f"{name:8s} {mode:7s} {n * 1e3:8.2f}ms {py * 1e3:8.2f}ms {py / n:13.2f}x")
 
 
 if __name__ == "__main__":
