@@ -1035,9 +1035,9 @@ def update_view_kernels() -> None:
     if not _libs:
         return  # before register(): it calls this at its end
     with _register_lock:
+        lib = native.start()  # also started for its device guard (placement) in debug mode
         wanted = native_views_wanted and not eager.debug_enabled and storage.storage_words_known()
-        lib = native.start() if wanted else None
-        if lib is not None:
+        if lib is not None and wanted:
             if not _native_views_on:
                 if _python_views is not None:
                     _python_views._destroy()

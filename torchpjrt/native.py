@@ -91,6 +91,11 @@ def _build_done(target: str, process, wait: bool) -> bool:
         while os.path.exists(lock) and not os.path.exists(target):
             if not wait:
                 return False
+            try:
+                if time.time() - os.path.getmtime(lock) > _BUILD_SECONDS_MAX:
+                    break  # its builder died: the caller builds it again
+            except OSError:
+                pass
             time.sleep(0.1)
         return True
     if not wait and process.poll() is None:
@@ -141,28 +146,40 @@ def _settle(wait: bool):
         try:
             if _building is None:
                 target = _target()
-                if os.path.exists(target):
-                    _library = _load(target)
-                    return _library
-                try:
-                    _building = (target, _spawn_build(target))
-                except OSError:  # a cache directory we cannot write: build in a private one
-                    target = os.path.join(tempfile.mkdtemp(prefix="torchpjrt-native-"), os.path.basename(target))
-                    _building = (target, _spawn_build(target))
-            target, process = _building
-            if not _build_done(target, process, wait):
-                return None
-            _building = None
-            if not os.path.exists(target):  # another process's build failed: build here
-                _building = (target, _spawn_build(target))
-                if not _build_done(target, _building[1], wait):
+                if not os.path.exists(target):
+                    try:
+                        _building = (target, _spawn_build(target))
+                    except OSError:  # a cache directory we cannot write: build in a private one
+                        target = os.path.join(tempfile.mkdtemp(prefix="torchpjrt-native-"), os.path.basename(target))
+                        _building = (target, _spawn_build(target))
+            if _building is not None:
+                target, process = _building
+                if not _build_done(target, process, wait):
                     return None
                 _building = None
+                if not os.path.exists(target):  # another process's build failed: build here
+                    _building = (target, _spawn_build(target))
+                    if not _build_done(target, _building[1], wait):
+                        return None
+                    _building = None
             _library = _load(target)
         except Exception as e:  # noqa: BLE001 - any failure leaves the package on its Python kernels
             _building = None
             _failure = f"{type(e).__name__}: {e}"
+            return None
+    for adopt in _when_loaded:
+        adopt(_library)
     return _library
+
+
+_when_loaded = []  # what to do with the helper once it is loaded (placement: its device guard)
+
+
+def when_loaded(adopt) -> None:
+    """Call adopt(library) once the helper is loaded (now, if it is)."""
+    _when_loaded.append(adopt)
+    if _library is not None:
+        adopt(_library)
 
 
 def start():

@@ -26,16 +26,30 @@ from . import fusion, native
 multi = False  # whether any tensor has been placed on an index other than 0
 _lock = threading.Lock()
 _tls = threading.local()  # .index: the device of the factory op being recorded or run
-_guard_count = 0  # devices the compiled device guard reports (0: PyTorch's one-device guard)
+_guard_count = 0  # devices the compiled device guard reports (0: PyTorch's Python guard, one device)
 _engine_devices = None  # pjrt devices PyTorch's autograd engine has worker threads for, if started
 _index_by_sharding = {}
+
+
+def _adopt_guard(lib) -> None:
+    """The compiled helper is loaded: its device guard replaces the Python one even for one
+    device. PyTorch asks the guard for the device type hundreds of times a backward pass, each a
+    call into Python with the Python guard."""
+    global _guard_count
+    with _lock:
+        if not _guard_count:
+            lib.torchpjrt_register_guard(1)
+            _guard_count = 1
+
+
+native.when_loaded(_adopt_guard)
 
 
 def register_devices(count: int) -> None:
     """The runtime has `count` devices: with more than one, give PyTorch the compiled device guard
     (before its autograd engine sizes its per-device threads at the first backward)."""
     global _guard_count, _engine_devices
-    if count <= 1 or _guard_count:
+    if count <= 1 or _guard_count >= count:
         return
     lib = native.library()
     if lib is None:
