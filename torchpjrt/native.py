@@ -79,8 +79,12 @@ def _spawn_build(target: str):
                        *_SOURCES, "-L", lib_dir, "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib_dir}"]
     script = 'tmp=$1; target=$2; lock=$3; shift 3; "$@" -o "$tmp" && mv -f "$tmp" "$target"; ' \
              'status=$?; rm -f "$tmp" "$lock"; exit $status'
-    return subprocess.Popen(["/bin/sh", "-c", script, "sh", tmp, target, lock, *compile_command],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # at the lowest priority: the process that started it goes on with its own work meanwhile
+    nice = ["nice", "-n", "19"] if shutil.which("nice") else []
+    process = subprocess.Popen([*nice, "/bin/sh", "-c", script, "sh", tmp, target, lock, *compile_command],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    process.compiler = os.path.basename(compiler)
+    return process
 
 
 def _build_done(target: str, process, wait: bool) -> bool:
@@ -102,7 +106,7 @@ def _build_done(target: str, process, wait: bool) -> bool:
         return False
     _, err = process.communicate()
     if process.returncode != 0:
-        raise RuntimeError(f"{os.path.basename(process.args[7])} failed:\n{err.strip()[-2000:]}")
+        raise RuntimeError(f"{process.compiler} failed:\n{err.strip()[-2000:]}")
     return True
 
 
