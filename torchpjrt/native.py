@@ -81,9 +81,12 @@ def _spawn_build(target: str):
              'status=$?; rm -f "$tmp" "$lock"; exit $status'
     # at the lowest priority: the process that started it goes on with its own work meanwhile
     nice = ["nice", "-n", "19"] if shutil.which("nice") else []
-    process = subprocess.Popen([*nice, "/bin/sh", "-c", script, "sh", tmp, target, lock, *compile_command],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # the compiler's messages go to a file, not a pipe nobody reads while it runs in the background
+    with open(target + ".log", "w") as log:
+        process = subprocess.Popen([*nice, "/bin/sh", "-c", script, "sh", tmp, target, lock, *compile_command],
+                                   stdout=log, stderr=subprocess.STDOUT)
     process.compiler = os.path.basename(compiler)
+    process.log = target + ".log"
     return process
 
 
@@ -104,9 +107,13 @@ def _build_done(target: str, process, wait: bool) -> bool:
         return True
     if not wait and process.poll() is None:
         return False
-    _, err = process.communicate()
-    if process.returncode != 0:
-        raise RuntimeError(f"{process.compiler} failed:\n{err.strip()[-2000:]}")
+    if process.wait() != 0:
+        try:
+            with open(process.log) as f:
+                messages = f.read().strip()[-2000:]
+        except OSError:
+            messages = "(no messages)"
+        raise RuntimeError(f"{process.compiler} failed:\n{messages}")
     return True
 
 
