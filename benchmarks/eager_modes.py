@@ -5,7 +5,9 @@
 Workloads:
   (a) MLP training step: Linear 256-512-512-10, GELU, batch 128, SGD;
   (b) small transformer training step: 2 encoder layers, d_model 256, 4 heads, seq 128,
-      batch 8, causal mask, language-model loss, AdamW.
+      batch 8, causal mask, language-model loss, AdamW;
+  (c) overhead-bound step: 4 Linear 32-32 layers with GELU and a 32-10 head, batch 8, AdamW,
+      where host cost per op decides the step time.
 Each step ends with `loss.item()`, as a training loop that logs its loss does. The baseline
 is torch eager on the CPU, or with `--baseline cuda` on the machine's GPU. Rounds
 alternate between targets so machine drift hits all of them alike; ratios use medians.
@@ -65,6 +67,25 @@ def transformer_workload(device):
     return step
 
 
+def tiny_mlp_workload(device):
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(4):
+        layers += [nn.Linear(32, 32), nn.GELU()]
+    model = nn.Sequential(*layers, nn.Linear(32, 10)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = torch.randn(8, 32).to(device), torch.randint(0, 10, (8,)).to(device)
+
+    def step():
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    return step
+
+
 def run(target, step, n):
     device_mode = target if target in MODES else None
     if device_mode:
@@ -113,7 +134,8 @@ def main():
     header = f"{'workload':26s}" + "".join(f"{t:>12s}" for t in (base,) + MODES)
     header += f"{'strict/fused':>14s}{'fused/' + base:>12s}{'compiles/step':>15s}"
     print(header)
-    for name, make in (("MLP step (SGD)", mlp_workload), ("transformer step (AdamW)", transformer_workload)):
+    for name, make in (("MLP step (SGD)", mlp_workload), ("transformer step (AdamW)", transformer_workload),
+                       ("tiny MLP step (AdamW)", tiny_mlp_workload)):
         med, cps = measure(make, base, args.rounds, args.steps)
         row = f"{name:26s}" + "".join(f"{med[t] * 1e3:10.2f}ms" for t in (base,) + MODES)
         row += f"{med['strict'] / med['fused']:13.2f}x{med['fused'] / med[base]:11.2f}x{cps:15.2f}"
