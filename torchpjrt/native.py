@@ -4,8 +4,7 @@ with ctypes.
 - csrc/device_guard.cpp: several pjrt devices in one process (PyTorch's Python device backend
   can only say "one device, index 0").
 - csrc/views.cpp: CPU's own kernels for the view ops that reach the device (as_strided, view,
-  _reshape_alias), in place of a trip into Python per view;
-- csrc/storage.cpp: a storage's address and size in bytes, set in one call.
+  _reshape_alias), in place of a trip into Python per view.
 
 It is built, not shipped: a wheel would tie it to one PyTorch build. The build takes a few
 seconds once per PyTorch and source version and is kept under $XDG_CACHE_HOME/torchpjrt/native.
@@ -139,8 +138,6 @@ def _load(path: str):
     lib.torchpjrt_set_current_device.argtypes = [ctypes.c_int]
     lib.torchpjrt_native_views.argtypes = [ctypes.c_int]
     lib.torchpjrt_native_views.restype = None
-    lib.torchpjrt_give_storage.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64]
-    lib.torchpjrt_give_storage.restype = None
     return lib
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from jax import lax
 
-from . import dtypes, fusion, native, placement
+from . import dtypes, fusion, placement
 from .fusion import call
 
 _create_empty = torch._C._acc.create_empty_tensor
@@ -542,6 +542,9 @@ def _find_storage_words():
 
 
 _DATA_POINTER_OFFSET, _SIZE_OFFSET = _find_storage_words()
+# the words from the data pointer to the size, written through one ctypes array per storage
+_STORAGE_WORDS = ctypes.c_uint64 * ((_SIZE_OFFSET - _DATA_POINTER_OFFSET) // 8 + 1) if _SIZE_OFFSET else None
+_SIZE_WORD = (_SIZE_OFFSET - _DATA_POINTER_OFFSET) // 8 if _SIZE_OFFSET else None
 
 
 def give_address(s: torch.UntypedStorage, nbytes: int) -> None:
@@ -555,12 +558,9 @@ def give_address(s: torch.UntypedStorage, nbytes: int) -> None:
         with _address_lock:
             address = _next_address
             _next_address += -(-nbytes // _ADDRESS_ALIGN) * _ADDRESS_ALIGN
-    lib = native.loaded()
-    if lib is not None:
-        lib.torchpjrt_give_storage(s._cdata, address, nbytes)
-    else:
-        ctypes.c_uint64.from_address(s._cdata + _DATA_POINTER_OFFSET).value = address
-        ctypes.c_int64.from_address(s._cdata + _SIZE_OFFSET).value = nbytes
+    words = _STORAGE_WORDS.from_address(s._cdata + _DATA_POINTER_OFFSET)
+    words[0] = address
+    words[_SIZE_WORD] = nbytes
 
 
 def storage_words_known() -> bool:
