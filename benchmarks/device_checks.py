@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchpjrt
+from eager_overhead import classifier_step
 from torchpjrt import device_checks, storage
 
 
@@ -48,17 +49,8 @@ def mlp_step():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 10)).to("pjrt")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x = torch.randn(128, 256).to("pjrt")
-    y = torch.randint(0, 10, (128,)).to("pjrt")
-
-    def step():
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss.item()
-
-    return step
+    step = classifier_step(model, opt, torch.randn(128, 256).to("pjrt"), torch.randint(0, 10, (128,)).to("pjrt"))
+    return lambda: step().item()
 
 
 def gpt2_step():

@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchpjrt
-from eager_overhead import mlp_step_fn, sync
+from eager_overhead import classifier_step, mlp_step_fn, sync
 
 MODES = ("debug", "strict", "fused")
 
@@ -74,16 +74,8 @@ def tiny_mlp_workload(device):
         layers += [nn.Linear(32, 32), nn.GELU()]
     model = nn.Sequential(*layers, nn.Linear(32, 10)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x, y = torch.randn(8, 32).to(device), torch.randint(0, 10, (8,)).to(device)
-
-    def step():
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss.item()
-
-    return step
+    step = classifier_step(model, opt, torch.randn(8, 32).to(device), torch.randint(0, 10, (8,)).to(device))
+    return lambda: step().item()
 
 
 def run(target, step, n):

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import torchpjrt  # noqa: F401
+import torchpjrt
 
 
 def sync(device):
@@ -63,12 +63,9 @@ def time_jax_add(n):
     return (time.perf_counter() - t0) / n
 
 
-def mlp_step_fn(device):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 10)).to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x = torch.randn(128, 256).to(device)
-    y = torch.randint(0, 10, (128,)).to(device)
+def classifier_step(model, opt, x, y):
+    """A classifier's training step (forward, cross-entropy, backward, optimizer step), returning
+    the loss tensor; shared by the benchmarks' MLP workloads."""
 
     def step():
         opt.zero_grad()
@@ -78,6 +75,15 @@ def mlp_step_fn(device):
         return loss
 
     return step
+
+
+def mlp_step_fn(device):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 10)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(128, 256).to(device)
+    y = torch.randint(0, 10, (128,)).to(device)
+    return classifier_step(model, opt, x, y)
 
 
 def time_steps(step, device, n):
@@ -128,8 +134,7 @@ def op_kinds(baseline, n=2000, repeats=7):
 
 def view_kernel_steps(models=("gpt2", "llama"), rounds=5, steps=5):
     """{(model, mode): (native s/step, Python s/step)}: the same step with each view path."""
-    import copy
-
+    from models import make_step  # imported here: models.py imports this module
     from torchpjrt import dispatch, native
     from torchpjrt.bench import workloads
 
@@ -140,18 +145,7 @@ def view_kernel_steps(models=("gpt2", "llama"), rounds=5, steps=5):
         for mode in ("strict", "fused"):
             torchpjrt.set_eager_mode(mode)
             torch.manual_seed(0)
-            w = workloads.build(name, "tiny", None, None)
-            model = copy.deepcopy(w.model).train().to("pjrt")
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            batch = tuple(t.to("pjrt") for t in w.batch_fn(w.batch_size, "cpu"))
-
-            def step():
-                loss = w.loss_fn(model(*batch), batch)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                return loss.item()
-
+            step = make_step(workloads.build(name, "tiny", None, None), mode)
             times = {True: [], False: []}
             for r in range(rounds + 1):
                 for native_views in (True, False):

@@ -8,6 +8,7 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -161,8 +162,6 @@ def test_a_fresh_machine_builds_the_helper_in_the_background(tmp_path):
     assert first.stdout.split() == ["False", "30.0", "None"]  # still building: Python kernels
     built = list((tmp_path / "torchpjrt" / "native").rglob("*.so"))
     deadline = 240
-    import time
-
     while not [p for p in built if p.name == "torchpjrt_native.so"] and deadline > 0:
         time.sleep(1)
         deadline -= 1

@@ -206,10 +206,5 @@ def library():
     return _settle(wait=True)
 
 
-def loaded():
-    """The helper if it is loaded, without starting or waiting for anything."""
-    return _library
-
-
 def failure():
     return _failure

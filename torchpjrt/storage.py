@@ -40,7 +40,7 @@ class Storage:
     def __init__(self, array, dtype: torch.dtype, shape=None, device=0):
         self.array = array  # None until first written: an uninitialized (empty) storage
         self.device = device  # the pjrt index an uninitialized storage materializes on
-        if array is not None and type(array) is fusion.Pending:
+        if type(array) is fusion.Pending:
             fusion.track(self)  # swapped for the computed array when the graph runs
         self.shape = tuple(array.shape) if array is not None else tuple(shape)
         self.dtype = dtype
@@ -543,8 +543,8 @@ def _find_storage_words():
 
 _DATA_POINTER_OFFSET, _SIZE_OFFSET = _find_storage_words()
 # the words from the data pointer to the size, written through one ctypes array per storage
-_STORAGE_WORDS = ctypes.c_uint64 * ((_SIZE_OFFSET - _DATA_POINTER_OFFSET) // 8 + 1) if _SIZE_OFFSET else None
-_SIZE_WORD = (_SIZE_OFFSET - _DATA_POINTER_OFFSET) // 8 if _SIZE_OFFSET else None
+_SIZE_WORD = (_SIZE_OFFSET - _DATA_POINTER_OFFSET) // 8 if _SIZE_OFFSET is not None else None
+_STORAGE_WORDS = ctypes.c_uint64 * (_SIZE_WORD + 1) if _SIZE_WORD is not None else None
 
 
 def give_address(s: torch.UntypedStorage, nbytes: int) -> None:
