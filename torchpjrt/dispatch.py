@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch._ops import OpOverload
 
-from . import device_checks, dtypes, eager, fusion, kernel_cache, live_programs, native, placement, random_state, storage
+from . import device_checks, dtypes, eager, fusion, kernel_cache, live_programs, native, padding, placement, random_state, storage
 from .ops import TABLE, Lowering
 
 aten = torch.ops.aten
@@ -1550,6 +1550,7 @@ SPECIAL_KERNELS = {
     "set_.source_Storage": k_set_source_storage,
     "set_.source_Storage_storage_offset": k_set_source_storage_offset,
     "set_": k_set_empty,
+    "empty_like": padding.empty_like,
 }
 
 
@@ -1610,6 +1611,12 @@ def _instrumented(op, kernel):
     return registered
 
 
+def _padding_aware(op, lowering, kernel):
+    """`kernel`, or with its rule for padded storages (padding.py) where `op` has one."""
+    rule = padding.rule_for(op, lowering)
+    return kernel if rule is None else padding.aware(op, kernel, rule, signature(op))
+
+
 def _op_named(qualname):
     name, _, overload = qualname.partition(".")
     return getattr(getattr(aten, name), overload or "default")
@@ -1622,7 +1629,8 @@ def register():
     lib = torch.library.Library("aten", "IMPL")
     _libs.append(lib)
     for name, fn in SPECIAL_KERNELS.items():
-        lib.impl(name, _instrumented(_op_named(name), fn), "PrivateUse1")
+        op = _op_named(name)
+        lib.impl(name, _instrumented(op, _padding_aware(op, None, fn)), "PrivateUse1")
     for op in _inplace_view_ops():
         lib.impl(_qualname(op), _instrumented(op, _bound(inplace_view_kernel, op)), "PrivateUse1")
     for op, lowering in TABLE.items():
@@ -1632,11 +1640,14 @@ def register():
             # a backend kernel would shadow the decomposition that carries autograd;
             # such lowerings serve the graph paths only
             continue
-        lib.impl(_qualname(op), _instrumented(op, make_functional_kernel(op, lowering)), "PrivateUse1")
+        lib.impl(_qualname(op), _instrumented(op, _padding_aware(op, lowering, make_functional_kernel(op, lowering))),
+                 "PrivateUse1")
         for derived in derived_overloads(op):
             if _qualname(derived) in SPECIAL_KERNELS or _is_composite_implicit(derived):
                 continue
-            lib.impl(_qualname(derived), _instrumented(derived, derived_kernel(derived, op)), "PrivateUse1")
+            lib.impl(_qualname(derived), _instrumented(derived, _padding_aware(derived, lowering,
+                                                                               derived_kernel(derived, op))),
+                     "PrivateUse1")
     fb = torch.library.Library("_", "IMPL")
     _libs.append(fb)
     import torchpjrt_autoload

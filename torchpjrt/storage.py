@@ -35,7 +35,7 @@ _inference_mode_enabled = torch.is_inference_mode_enabled
 class Storage:
     """The device memory behind one c10 storage: a JAX array and a version counter."""
 
-    __slots__ = ("array", "shape", "dtype", "version", "views", "raw", "device", "__weakref__")
+    __slots__ = ("array", "shape", "dtype", "version", "views", "raw", "device", "padding", "__weakref__")
 
     def __init__(self, array, dtype: torch.dtype, shape=None, device=0):
         self.array = array  # None until first written: an uninitialized (empty) storage
@@ -47,6 +47,7 @@ class Storage:
         self.version = 0
         self.views = None  # {(geometry, dtype): (version, array)} for materialized views
         self.raw = False  # untyped bytes (from torch.load): retyped by the first tensor set on it
+        self.padding = None  # (n, B, stride): a padded result's first n of B positions (padding.py)
 
     @property
     def numel(self):
@@ -63,6 +64,8 @@ class Storage:
 
     def replace(self, array):
         self._hold(array)
+        if self.padding is not None and tuple(array.shape) != self.shape:
+            self.padding = None
         self.shape = tuple(array.shape)
         self.version += 1
         self.views = None

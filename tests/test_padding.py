@@ -1,0 +1,256 @@
+"""Padded storages (torchpjrt/padding.py): data-dependent sizes rounded up to buckets. Every
+result is checked against the CPU; the padded positions are filled with NaN where a rule must
+mask them, so a rule that let them through would show."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchpjrt
+from torchpjrt import dispatch, padding
+
+pytestmark = pytest.mark.skipif(not padding.enabled, reason="TORCHPJRT_PADDING is off")
+
+
+def _routed(n_rows=12, keep=7, seed=0):
+    """(CPU index, pjrt index): `keep` of `n_rows` positions, row 0 never among them."""
+    g = torch.Generator().manual_seed(seed)
+    chosen = (torch.randperm(n_rows - 1, generator=g)[:keep] + 1).sort().values
+    mask = torch.zeros(n_rows, dtype=torch.bool)
+    mask[chosen] = True
+    (idx,) = torch.where(mask)
+    (pidx,) = torch.where(mask.to("pjrt"))
+    return idx, pidx
+
+
+def _rows(idx, pidx, cols=5, seed=1):
+    """Rows of a table gathered by the routed index. Row 0 of the table is NaN: the padded
+    positions (nonzero fills them with index 0) hold NaN, the real ones never do."""
+    table = torch.randn(12, cols, generator=torch.Generator().manual_seed(seed))
+    table[0] = float("nan")
+    return table[idx], table.to("pjrt")[pidx]
+
+
+def _check(got, want, padded=True):
+    assert got.shape == want.shape and got.dtype == want.dtype
+    torch.testing.assert_close(got.cpu(), want, equal_nan=False)
+    if padded:
+        assert padding.storage_padding_of(got) is not None, "the result lost its padding"
+
+
+def test_nonzero_where_and_masks_match_cpu_and_are_padded():
+    torch.manual_seed(0)
+    x = torch.randn(6, 5)
+    m = x > 0.3
+    px, pm = x.to("pjrt"), m.to("pjrt")
+    nz = pm.nonzero()
+    assert torch.equal(nz.cpu(), m.nonzero())
+    assert padding.storage_padding_of(nz) == (m.sum().item(), 16)
+    for got, want in zip(torch.where(pm), torch.where(m)):
+        assert torch.equal(got.cpu(), want)
+        assert padding.storage_padding_of(got) is not None
+    _check(px[pm], x[m])
+    _check(px[pm[:, 0]], x[m[:, 0]])
+    # a mask that selects everything, or nothing, is exact
+    assert torch.equal(torch.ones(3, 3, device="pjrt").nonzero().cpu(), torch.ones(3, 3).nonzero())
+    assert torch.zeros(5, device="pjrt").nonzero().shape == (0, 1)
+
+
+def test_pointwise_keeps_padding_and_broadcasts():
+    idx, pidx = _routed()
+    a, pa = _rows(idx, pidx)
+    b, pb = _rows(idx, pidx, seed=2)
+    w = torch.randn(5)
+    col = torch.randn(7, 1)
+    _check(pa * 2 + 1, a * 2 + 1)
+    _check((pa * pb).sigmoid(), (a * b).sigmoid())
+    _check(pa + w.to("pjrt"), a + w)
+    _check(torch.where(pa > 0, pa, pb), torch.where(a > 0, a, b))
+    _check(pa.t().exp(), a.t().exp())
+    _check(pa.to(torch.float64) * 3, a.to(torch.float64) * 3)
+    # an exact tensor along the padded dimension: computed exactly
+    _check(pa + col.to("pjrt"), a + col, padded=False)
+
+
+def test_inplace_and_like_factories():
+    idx, pidx = _routed()
+    a, pa = _rows(idx, pidx)
+    b, pb = _rows(idx, pidx, seed=3)
+    pa, a = pa.clone(), a.clone()
+    pa.mul_(pb).add_(1)
+    a.mul_(b).add_(1)
+    _check(pa, a)
+    _check(torch.zeros_like(pa), torch.zeros_like(a))
+    _check(torch.full_like(pa, 2.5), torch.full_like(a, 2.5))
+    _check(torch.ones_like(pb).sub_(pb), torch.ones_like(b).sub_(b))
+    pa.fill_(3)
+    a.fill_(3)
+    _check(pa, a)
+
+
+def test_matmuls_rows_columns_and_masked_contractions():
+    idx, pidx = _routed()
+    a, pa = _rows(idx, pidx, cols=5)
+    b, pb = _rows(idx, pidx, cols=3, seed=4)
+    w = torch.randn(5, 4)
+    pw = w.to("pjrt")
+    _check(pa @ pw, a @ w)
+    _check(pw.t() @ pa.t(), w.t() @ a.t())
+    bias = torch.randn(4)
+    _check(torch.addmm(bias.to("pjrt"), pa, pw), torch.addmm(bias, a, w))
+    # contracted over the padded rows: the NaN padding must not reach the result
+    _check(pa.t() @ pb, a.t() @ b, padded=False)
+    assert not (pa.t() @ pb).isnan().any()
+    ba, pba = a.reshape(7, 1, 5), pa.reshape(7, 1, 5)
+    _check(torch.bmm(pba, pba.transpose(1, 2)), torch.bmm(ba, ba.transpose(1, 2)))
+
+
+def test_sums_keep_or_mask_the_padded_dimension():
+    idx, pidx = _routed()
+    a, pa = _rows(idx, pidx)
+    _check(pa.sum(1), a.sum(1))
+    _check(pa.sum(1, keepdim=True), a.sum(1, keepdim=True))
+    _check(pa.sum(0), a.sum(0), padded=False)
+    _check(pa.sum(), a.sum(), padded=False)
+    assert not pa.sum(0).isnan().any()
+
+
+def test_gathers_and_accumulating_scatters():
+    idx, pidx = _routed()
+    a, pa = _rows(idx, pidx)
+    table = torch.randn(12, 5)
+    pt = table.to("pjrt")
+    _check(pt[pidx], table[idx])
+    _check(pt[pidx, pidx % 5], table[idx, idx % 5])
+    _check(pt.index_select(0, pidx), table.index_select(0, idx))
+    _check(pt.index_select(1, pidx % 5), table.index_select(1, idx % 5))
+    out, pout = torch.zeros(12, 5), torch.zeros(12, 5, device="pjrt")
+    out.index_add_(0, idx, a)
+    pout.index_add_(0, pidx, pa)
+    _check(pout, out, padded=False)
+    _check(torch.index_add(pt, 0, pidx, pa), torch.index_add(table, 0, idx, a), padded=False)
+    out, pout = torch.zeros(12, 5), torch.zeros(12, 5, device="pjrt")
+    out.index_put_((idx,), a, accumulate=True)
+    pout.index_put_((pidx,), pa, accumulate=True)
+    _check(pout, out, padded=False)
+    # not accumulating: exact
+    out[idx] = a
+    pout[pidx] = pa
+    _check(pout, out, padded=False)
+
+
+def test_cat_and_ops_without_rules_are_exact():
+    idx, pidx = _routed()
+    a, pa = _rows(idx, pidx)
+    _check(torch.cat([pa, pa * 2], 1), torch.cat([a, a * 2], 1))
+    _check(torch.cat([pa, pa], 0), torch.cat([a, a], 0), padded=False)
+    for fn in (lambda t: t.softmax(0), lambda t: t.cumsum(0), lambda t: t.sort(0).values, lambda t: t.flip(0),
+               lambda t: t.mean(0), lambda t: t.amax(0), lambda t: t[1:], lambda t: t.var(0)):
+        got, want = fn(pa), fn(a)
+        torch.testing.assert_close(got.cpu(), want)
+
+
+def test_padded_tensors_behave_like_any_tensor():
+    idx, pidx = _routed()
+    a, pa = _rows(idx, pidx)
+    assert pa.is_contiguous() and pa.stride() == a.stride() and pa.storage_offset() == 0
+    assert str(pa.cpu()) == str(a)
+    assert pa.tolist() == a.tolist()
+    assert torch.equal(pa.contiguous().cpu(), a)
+    buf = __import__("io").BytesIO()
+    torch.save(pa, buf)
+    buf.seek(0)
+    assert torch.equal(torch.load(buf).cpu(), a)
+
+
+def _expert_loop(h, top_idx, top_w, w1, w2, n_experts):
+    """transformers' eager mixture-of-experts loop (Mixtral's), as a function."""
+    out = torch.zeros_like(h)
+    mask = F.one_hot(top_idx, num_classes=n_experts).permute(2, 1, 0)
+    for e in range(n_experts):
+        pos, tok = torch.where(mask[e])
+        gate, up = F.linear(h[tok], w1[e]).chunk(2, dim=-1)
+        cur = F.linear(F.silu(gate) * up, w2[e]) * top_w[tok, pos, None]
+        out.index_add_(0, tok, cur)
+    return out
+
+
+def _moe_step(device, seed, weights, tokens=32, experts=4):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(tokens, 16, generator=g).to(device).requires_grad_()
+    probs = torch.randn(tokens, experts, generator=g).softmax(-1).to(device)
+    top_w, top_idx = probs.topk(2, -1)
+    w1, w2 = (w.clone().to(device).requires_grad_() for w in weights)
+    loss = _expert_loop(h, top_idx, top_w, w1, w2, experts).square().sum()
+    loss.backward()
+    return [t.detach().cpu() for t in (loss, h.grad, w1.grad, w2.grad)]
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_expert_loop_trains_like_cpu(mode):
+    torch.manual_seed(0)
+    weights = (torch.randn(4, 48, 16) * 0.1, torch.randn(4, 16, 24) * 0.1)
+    torchpjrt.set_eager_mode(mode)
+    try:
+        for seed in range(4):
+            for got, want in zip(_moe_step("pjrt", seed, weights), _moe_step("cpu", seed, weights)):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    finally:
+        torchpjrt.set_eager_mode("strict")
+
+
+def test_sizes_in_one_bucket_compile_nothing_new():
+    """Routed sizes 9..16 share bucket 16: after the first, no kernel compiles, forward or
+    backward."""
+    torch.manual_seed(0)
+    table = torch.randn(20, 8, device="pjrt", requires_grad=True)
+    w = torch.randn(8, 8, device="pjrt", requires_grad=True)
+
+    def step(n):
+        mask = torch.zeros(20, dtype=torch.bool)
+        mask[1:n + 1] = True
+        (idx,) = torch.where(mask.to("pjrt"))
+        rows = F.silu(table[idx] @ w) * 2
+        out = torch.zeros(20, 8, device="pjrt").index_add(0, idx, rows)
+        out.sum().backward()
+        return out
+
+    step(9)
+    step(9)  # the gradients' accumulation (add_) compiles at the second step
+    before = dispatch.stats["compiled"]
+    for n in range(10, 17):
+        step(n)
+    assert dispatch.stats["compiled"] == before
+    step(17)  # the next bucket
+    assert dispatch.stats["compiled"] > before
+
+
+def test_bucket_sizes():
+    assert [padding.bucket(n, 1000) for n in (1, 8, 9, 16, 17, 600)] == [8, 8, 16, 16, 32, 1000]
+    assert padding.bucket(5, 6) == 6
+
+
+@pytest.mark.slow
+def test_padding_off_gives_exact_sizes():
+    code = ("import torch, torchpjrt; from torchpjrt import padding\n"
+            "m = torch.tensor([1, 0, 1, 1, 0, 1, 0, 0, 1, 1, 1], dtype=torch.bool).to('pjrt')\n"
+            "nz = m.nonzero(); assert padding.storage_padding_of(nz) is None, nz\n"
+            "assert nz.untyped_storage().nbytes() == nz.numel() * 8\n"
+            "assert torch.equal(nz.cpu(), m.cpu().nonzero()); print('ok')")
+    env = dict(os.environ, TORCHPJRT_PADDING="off")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+
+
+def test_masked_select_and_dtype_conversions():
+    torch.manual_seed(0)
+    x, m = torch.randn(4, 6), torch.tensor([True, False, True, True, False, False])
+    px, pm = x.to("pjrt"), m.to("pjrt")
+    _check(torch.masked_select(px, pm), torch.masked_select(x, m))
+    sel = px[px > 0]
+    _check(sel.to(torch.bfloat16), x[x > 0].to(torch.bfloat16))
+    _check(sel.double().sum(0, keepdim=True), x[x > 0].double().sum(0, keepdim=True), padded=False)

@@ -1,0 +1,505 @@
+"""Padded storages: sizes that follow the data, rounded up to buckets, so that eager code whose
+shapes change with its values compiles its kernels once per bucket instead of once per size.
+
+A mixture-of-experts layer routes a different number of tokens to each expert at every step
+(`torch.where(expert_mask[e])`, `hidden[token_idx]`, `index_add_`); a boolean mask selects a
+different number of elements each time. Each new size would compile every kernel that follows
+it once more. Here `nonzero` (and so `torch.where(cond)` and `x[mask]`) computes its result at
+a bucket size B >= n (a power of two, at most the largest possible size) and returns the first
+n rows of that storage: a tensor whose storage is larger than its elements, as PyTorch allows
+(CPU shows one after `resize_` to a smaller size). Its sizes, strides and values are what CPU
+gives; the rows n..B-1 of the storage hold values nobody sees.
+
+The ops that follow run on the whole storage when they can treat the padded positions apart
+(the rules below): the kernel is the one for size B, the result is again the first n positions
+of a padded storage, and the padding travels on. Ops that combine values along the padded
+dimension get the padded positions masked first: matmul contractions and sums see -0.0 (which
+adds nothing, signed zeros included), scatters that accumulate (index_add_, index_put_ with
+accumulate, which autograd uses for indexing's backward) add -0.0 to index 0. Padded index
+positions are set to 0 before a gather, so bounds checks see valid indices only. Every other op
+reads the exact elements (a strided read of the first n positions), as for any view.
+
+Rules (each result is padded along one dimension; anything else is an exact read):
+- pointwise ops (the `pointwise` tag, random ones excepted): the padded dimension of every
+  padded input lines up in the broadcast result, and no other input has that dimension;
+- mm, bmm, addmm: a padded row or column dimension stays padded in the result; a padded
+  contracted dimension (both operands) is masked, and the result is exact;
+- sum over dimensions: the padded dimension kept stays padded, reduced it is masked;
+- index (advanced indexing with padded 1-D indices, next to each other), index_select: the
+  result is padded where the indices went; bool masks become nonzero's padded coordinates;
+- index_add, index_put with accumulate=True (in place or not) with padded indices and values;
+- cat along another dimension of tensors padded alike.
+
+TORCHPJRT_PADDING=off turns it off (every data-dependent size is then exact, compiled per size).
+"""
+
+import functools
+import os
+import weakref
+
+import jax
+import jax.numpy as jnp
+import torch
+from jax import lax
+
+from . import fusion, storage
+
+aten = torch.ops.aten
+
+enabled = os.environ.get("TORCHPJRT_PADDING", "on").strip().lower() not in ("0", "off", "false", "no")
+MIN_BUCKET = 8
+live = 0  # padded storages alive: while 0, every rule's wrapper returns at once
+stats = {"padded_results": 0}
+
+
+def bucket(n: int, limit: int) -> int:
+    """The padded size for n: the next power of two (at least MIN_BUCKET), at most `limit`."""
+    return min(max(1 << max(n - 1, 0).bit_length(), MIN_BUCKET), limit)
+
+
+def _forget(_):
+    global live
+    live -= 1
+
+
+def _mark(full: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """`full` (a new tensor) as its first n positions along `dim`, its storage marked padded."""
+    global live
+    B = full.shape[dim]
+    st = storage.storage_of(full)
+    st.padding = (n, B, full.stride(dim))
+    live += 1
+    weakref.finalize(st, _forget, None)
+    stats["padded_results"] += 1
+    if B == n:
+        return full  # marked all the same: it shares the bucket's kernels
+    size = list(full.shape)
+    size[dim] = n
+    return full.as_strided(size, full.stride(), full.storage_offset())
+
+
+def padded_dim(t):
+    """(dim, n, B) when `t` is the first n positions of a padded storage along one dimension,
+    else None."""
+    if not isinstance(t, torch.Tensor) or t.device.type != "pjrt":
+        return None
+    try:
+        p = t.untyped_storage()._pjrt.padding
+    except AttributeError:
+        return None
+    if p is None:
+        return None
+    n, B, S = p
+    found = None
+    for d, (size, stride) in enumerate(zip(t.shape, t.stride())):
+        if size == n and stride == S:
+            if found is not None:
+                return None  # two candidates: which one is padded is not clear
+            found = d
+    if found is None or (t.storage_offset() // S) % B:
+        return None  # not the padded dimension from position 0
+    return found, n, B
+
+
+def _widened(t, d, B):
+    """The padded view of `t`: all B positions along d."""
+    size = list(t.shape)
+    size[d] = B
+    return t.as_strided(size, t.stride(), t.storage_offset())
+
+
+@functools.lru_cache(maxsize=None)
+def _fill_beyond_fn(dim, fill):
+    def fill_beyond(x, n):
+        keep = lax.broadcasted_iota(jnp.int64, x.shape, dim) < n
+        return jnp.where(keep, x, jnp.asarray(fill, x.dtype) if x.dtype != jnp.bool_ else False)
+
+    return jax.jit(fill_beyond)
+
+
+def _masked(t, d, n, B, fill=None):
+    """The padded view of `t` with the positions from n on along d set to `fill` (-0.0 for
+    floating point: adds nothing; 0 for integers): a new tensor."""
+    if fill is None:
+        fill = -0.0 if (t.dtype.is_floating_point or t.dtype.is_complex) else 0
+    wide = _widened(t, d, B)
+    return storage.wrap(fusion.call(_fill_beyond_fn(d, fill), storage.read(wide), n), t.dtype)
+
+
+def _same_padding(found):
+    """The common (n, B) of padded arguments, or None when they differ."""
+    sizes = {(n, B) for _, n, B in found}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def _mark_results(out, dim, n):
+    if isinstance(out, torch.Tensor):
+        return _mark(out, dim, n) if out.dim() > dim else out
+    if isinstance(out, (tuple, list)):
+        return type(out)(_mark_results(o, dim, n) for o in out)
+    return out
+
+
+# ---- the rules -------------------------------------------------------------------------------
+# Each takes (kernel, sig, vals) and returns the result, or NotImplemented for an exact run.
+
+
+def _pointwise(kernel, sig, vals):
+    found = {}
+    tensors = []
+    for i, v in enumerate(vals):
+        if isinstance(v, torch.Tensor):
+            tensors.append((i, v))
+            p = padded_dim(v)
+            if p is not None:
+                found[i] = p
+    if not found:
+        return NotImplemented
+    nb = _same_padding(found.values())
+    if nb is None:
+        return NotImplemented
+    n, B = nb
+    rank = max(t.dim() for _, t in tensors)
+    dims = {rank - (t.dim() - found[i][0]) for i, t in tensors if i in found}
+    if len(dims) != 1:
+        return NotImplemented
+    D = dims.pop()
+    for i, t in tensors:
+        if i not in found:
+            j = D - (rank - t.dim())
+            if j >= 0 and t.shape[j] != 1:
+                return NotImplemented  # an exact tensor along the padded dimension
+    wide = list(vals)
+    for i, (d, _, _) in found.items():
+        wide[i] = _widened(vals[i], d, B)
+    return _mark_results(_call(kernel, sig, wide), D, n)
+
+
+def _pointwise_inplace(kernel, sig, vals):
+    """self.sub_(other), self.fill_(v) on a padded self: the whole storage is written (its
+    padded positions too, which nobody sees)."""
+    self = vals[0]
+    p = padded_dim(self)
+    if p is None:
+        return NotImplemented
+    D, n, B = p
+    rank = self.dim()
+    wide = list(vals)
+    wide[0] = _widened(self, D, B)
+    for i in range(1, len(vals)):
+        v = vals[i]
+        if not isinstance(v, torch.Tensor):
+            continue
+        if v.dim() > rank:
+            return NotImplemented  # a broadcast the target cannot hold: the kernel raises
+        j = D - (rank - v.dim())
+        q = padded_dim(v)
+        if q is not None:
+            if q != (j, n, B):
+                return NotImplemented
+            wide[i] = _widened(v, j, B)
+        elif j >= 0 and v.shape[j] != 1:
+            return NotImplemented
+    _call(kernel, sig, wide)
+    return self
+
+
+def empty_like(self, *args, **kwargs):
+    """empty_like (so zeros_like, ones_like, full_like) of a padded tensor is padded alike;
+    of any other tensor, PyTorch's own kernel."""
+    p = padded_dim(self) if live else None
+    if p is not None and kwargs.get("device") in (None, self.device):
+        d, n, B = p
+        full = aten.empty_like.default.redispatch(_COMPOSITE, _widened(self, d, B), *args, **kwargs)
+        if full.shape[d] == B and full.stride(d) and padded_dim(full) is None:
+            return _mark(full, d, n)
+    return aten.empty_like.default.redispatch(_COMPOSITE, self, *args, **kwargs)
+
+
+_COMPOSITE = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
+
+
+def _call(kernel, sig, vals):
+    args, kwargs = sig.split(vals)
+    return kernel(*args, **kwargs)
+
+
+def _matmul(first, batched):
+    """mm / bmm (first=0) and addmm (first=1: its bias must not be padded)."""
+    row, col = (1, 2) if batched else (0, 1)
+
+    def rule(kernel, sig, vals):
+        a, b = vals[first], vals[first + 1]
+        pa, pb = padded_dim(a), padded_dim(b)
+        if first and padded_dim(vals[0]) is not None:
+            return NotImplemented
+        wide = list(vals)
+        if pa is not None and pb is not None:
+            if pa[1:] != pb[1:]:
+                return NotImplemented
+            n, B = pa[1:]
+            if pa[0] == col and pb[0] == row:  # the contracted dimension: masked
+                wide[first] = _masked(a, col, n, B)
+                wide[first + 1] = _masked(b, row, n, B)
+                return _call(kernel, sig, wide)
+            if batched and pa[0] == 0 and pb[0] == 0:
+                wide[first], wide[first + 1] = _widened(a, 0, B), _widened(b, 0, B)
+                return _mark_results(_call(kernel, sig, wide), 0, n)
+            return NotImplemented
+        if pa is not None and pa[0] == row:
+            d, n, B = pa
+            wide[first] = _widened(a, d, B)
+            out_dim = row
+        elif pb is not None and pb[0] == col:
+            d, n, B = pb
+            wide[first + 1] = _widened(b, d, B)
+            out_dim = col
+        else:
+            return NotImplemented
+        if first:
+            bias = vals[0]
+            if bias.dim() == 2 and bias.shape[out_dim] != 1 or bias.dim() == 1 and out_dim == col \
+                    and bias.shape[0] != 1:
+                return NotImplemented
+        return _mark_results(_call(kernel, sig, wide), out_dim, n)
+
+    return rule
+
+
+def _sum(kernel, sig, vals):
+    x, dims, keepdim = vals[0], vals[1], vals[2]
+    p = padded_dim(x)
+    if p is None:
+        return NotImplemented
+    d, n, B = p
+    ndim = max(x.dim(), 1)
+    reduced = set(range(x.dim())) if not dims else {r % ndim for r in dims}
+    wide = list(vals)
+    if d in reduced:
+        wide[0] = _masked(x, d, n, B)
+        return _call(kernel, sig, wide)
+    wide[0] = _widened(x, d, B)
+    out_dim = d if keepdim else d - sum(1 for r in reduced if r < d)
+    return _mark_results(_call(kernel, sig, wide), out_dim, n)
+
+
+def _padded_indices(indices):
+    """(first position, n, B, {position: padded index}) when every index given is a padded 1-D
+    tensor and they sit next to each other; else None."""
+    given = [i for i, t in enumerate(indices) if t is not None]
+    if not given or given != list(range(given[0], given[-1] + 1)):
+        return None
+    found = {}
+    for i in given:
+        p = padded_dim(indices[i])
+        if p is None or indices[i].dim() != 1 or indices[i].dtype in (torch.bool, torch.uint8):
+            return None
+        found[i] = p
+    nb = _same_padding(found.values())
+    if nb is None:
+        return None
+    return given[0], nb[0], nb[1], found
+
+
+def _index(kernel, sig, vals):
+    x, indices = vals[0], list(vals[1])
+    if any(t is not None and t.dtype in (torch.bool, torch.uint8) for t in indices):
+        return _index_with_masks(kernel, sig, vals)
+    if not live:
+        return NotImplemented
+    found = _padded_indices(indices)
+    if found is None or padded_dim(x) is not None:
+        return NotImplemented
+    first, n, B, _ = found
+    wide = list(vals)
+    wide[1] = [None if t is None else _masked(t, 0, n, B, 0) for t in indices]
+    return _mark_results(_call(kernel, sig, wide), first, n)
+
+
+def _index_with_masks(kernel, sig, vals):
+    """x[mask]: the mask's nonzero coordinates (padded) as indices, as CPU's kernel does."""
+    x, indices = vals[0], list(vals[1])
+    expanded, dim = [], 0
+    for t in indices:
+        if t is not None and t.dtype in (torch.bool, torch.uint8):
+            if t.device.type != "pjrt" or t.dim() == 0 or tuple(t.shape) != tuple(x.shape[dim:dim + t.dim()]):
+                return NotImplemented  # the lowering gives CPU's errors for these
+            coords = aten.nonzero.default(t)
+            if padded_dim(coords) is None:
+                return NotImplemented  # nothing padded: the exact lowering is as fast
+            expanded.extend(coords.unbind(1))
+            dim += t.dim()
+        else:
+            expanded.append(t)
+            dim += 1
+    wide = list(vals)
+    wide[1] = expanded
+    out = _index(kernel, sig, wide)
+    return _call(kernel, sig, wide) if out is NotImplemented else out
+
+
+def _index_select(kernel, sig, vals):
+    x, dim, index = vals[0], vals[1], vals[2]
+    p = padded_dim(index)
+    if p is None or x.dim() == 0 or padded_dim(x) is not None or index.dim() != 1:
+        return NotImplemented
+    _, n, B = p
+    wide = list(vals)
+    wide[2] = _masked(index, 0, n, B, 0)
+    return _mark_results(_call(kernel, sig, wide), dim % x.dim(), n)
+
+
+def _index_add(kernel, sig, vals):
+    x, dim, index, source = vals[0], vals[1], vals[2], vals[3]
+    pi, ps = padded_dim(index), padded_dim(source)
+    if pi is None or ps is None or pi[1:] != ps[1:] or padded_dim(x) is not None or index.dim() != 1 \
+            or source.dim() == 0 or ps[0] != dim % source.dim():
+        return NotImplemented
+    _, n, B = pi
+    wide = list(vals)
+    wide[2] = _masked(index, 0, n, B, 0)
+    wide[3] = _masked(source, ps[0], n, B)
+    return _call(kernel, sig, wide)
+
+
+def _index_put(kernel, sig, vals):
+    x, indices, values, accumulate = vals[0], list(vals[1]), vals[2], vals[3]
+    if not accumulate or padded_dim(x) is not None:
+        return NotImplemented
+    found = _padded_indices(indices)
+    pv = padded_dim(values)
+    if found is None or pv is None:
+        return NotImplemented
+    first, n, B, _ = found
+    result_rank = x.dim() - sum(t is not None for t in indices) + 1
+    if pv[1:] != (n, B) or pv[0] != values.dim() - result_rank + first:
+        return NotImplemented
+    wide = list(vals)
+    wide[1] = [None if t is None else _masked(t, 0, n, B, 0) for t in indices]
+    wide[2] = _masked(values, pv[0], n, B)
+    return _call(kernel, sig, wide)
+
+
+def _cat(kernel, sig, vals):
+    tensors, dim = list(vals[0]), vals[1]
+    if not tensors:
+        return NotImplemented
+    found = [padded_dim(t) for t in tensors]
+    if any(p is None for p in found) or len({p for p in found}) != 1 or len({t.dim() for t in tensors}) != 1:
+        return NotImplemented
+    d, n, B = found[0]
+    if dim % tensors[0].dim() == d:
+        return NotImplemented
+    wide = list(vals)
+    wide[0] = [_widened(t, d, B) for t in tensors]
+    return _mark_results(_call(kernel, sig, wide), d, n)
+
+
+def _to_copy(kernel, sig, vals):
+    """x.to(dtype) on the same device: a conversion per position."""
+    x, device, memory_format = vals[0], vals[3], vals[6]
+    p = padded_dim(x)
+    if p is None or (device is not None and torch.device(device) != x.device) or vals[4] \
+            or memory_format not in (None, torch.preserve_format):
+        return NotImplemented
+    d, n, B = p
+    wide = list(vals)
+    wide[0] = _widened(x, d, B)
+    return _mark_results(_call(kernel, sig, wide), d, n)
+
+
+def _masked_select(kernel, sig, vals):
+    """masked_select(x, mask): x[mask] of the two broadcast together (padded like x[mask])."""
+    x, mask = vals[0], vals[1]
+    if mask.dtype != torch.bool or mask.device != x.device:
+        return NotImplemented
+    try:
+        shape = torch.broadcast_shapes(x.shape, mask.shape)
+    except RuntimeError:
+        return NotImplemented  # the kernel raises CPU's error
+    if not shape:
+        return NotImplemented
+    out = aten.index.Tensor(x.expand(shape), [mask.expand(shape)])
+    return out if padded_dim(out) is not None else NotImplemented
+
+
+@functools.lru_cache(maxsize=None)
+def _count_fn():
+    return jax.jit(lambda x: jnp.count_nonzero(x))
+
+
+@functools.lru_cache(maxsize=None)
+def _nonzero_fn(size):
+    return jax.jit(lambda x: jnp.stack(jnp.nonzero(x, size=size, fill_value=0), axis=-1).astype(jnp.int64))
+
+
+def _nonzero(kernel, sig, vals):
+    """nonzero at a bucket size: the count is read back (as the exact kernel must), the
+    coordinates computed for B rows, of which the first n are the result."""
+    x = vals[0]
+    if x.dim() == 0 or x.numel() < 2:
+        return NotImplemented
+    array = fusion.concrete_tree(storage.read(x))
+    n = int(_count_fn()(array))
+    B = bucket(n, x.numel())
+    if n == 0:
+        return NotImplemented
+    return _mark(storage.wrap(_nonzero_fn(B)(array)), 0, n)
+
+
+_RULES = {
+    aten.mm.default: _matmul(0, False), aten.bmm.default: _matmul(0, True), aten.addmm.default: _matmul(1, False),
+    aten.sum.dim_IntList: _sum,
+    aten.index.Tensor: _index, aten._unsafe_index.Tensor: _index, aten.index_select.default: _index_select,
+    aten.index_add.default: _index_add, aten.index_add_.default: _index_add,
+    aten.index_put.default: _index_put, aten.index_put_.default: _index_put,
+    aten._index_put_impl_.default: _index_put,
+    aten.cat.default: _cat,
+    aten._to_copy.default: _to_copy,
+    aten.fill_.Scalar: _pointwise_inplace, aten.fill_.Tensor: _pointwise_inplace, aten.zero_.default: _pointwise_inplace,
+}
+# data-dependent sizes start here: their rules run whether or not a padded storage is alive
+_PRODUCERS = {aten.nonzero.default: _nonzero, aten.index.Tensor: _index, aten.masked_select.default: _masked_select}
+
+
+def rule_for(op, lowering):
+    """The padding rule of `op` (with its lowering), or None."""
+    if not enabled:
+        return None
+    if op in _PRODUCERS:
+        return _PRODUCERS[op]
+    if op in _RULES:
+        return _RULES[op]
+    if lowering is None:
+        return None
+    schema = op._schema
+    if torch.Tag.pointwise not in op.tags or lowering.random or not schema.returns:
+        return None
+    written = [a.alias_info is not None and a.alias_info.is_write for a in schema.arguments]
+    if not any(written):
+        return _pointwise
+    if written[0] and not any(written[1:]) and not schema.arguments[0].kwarg_only:
+        return _pointwise_inplace
+    return None
+
+
+def aware(op, kernel, rule, sig):
+    """`kernel` with its padding rule: while no padded storage is alive, one comparison."""
+    producer = op in _PRODUCERS
+
+    def padded_kernel(*args, **kwargs):
+        if not live and not producer:
+            return kernel(*args, **kwargs)
+        out = rule(kernel, sig, sig.values(args, kwargs))
+        if out is NotImplemented:
+            return kernel(*args, **kwargs)
+        return out
+
+    return padded_kernel
+
+
+def storage_padding_of(t):
+    """(n, B) of a padded tensor, for tests and reports; None for an exact one."""
+    p = padded_dim(t)
+    return None if p is None else p[1:]
+
