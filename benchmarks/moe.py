@@ -4,6 +4,9 @@ mode against torch CPU eager, with the XLA compiles each step triggers.
     python benchmarks/moe.py [--models qwen2_moe,mixtral] [--steps 30] [--targets cpu,strict,fused]
                              [--experts grouped_mm|eager]
 
+Targets `strict-exact` and `fused-exact` run the mode with TORCHPJRT_PADDING=off: every
+data-dependent size exact, compiled per size (the comparison for padded storages, padding.py).
+
 transformers' default experts implementation (`grouped_mm`) sorts the tokens by expert and
 calls `torch.nn.functional.grouped_mm` once per projection: the shapes stay the same whatever
 the routing. Its `eager` implementation loops over the experts hit, reading the routing on the
@@ -24,6 +27,7 @@ import time
 
 MODELS = ("qwen2_moe", "mixtral")
 TARGETS = ("cpu", "strict", "fused")
+EXACT = "-exact"  # a mode with TORCHPJRT_PADDING=off
 
 
 def build(name, experts="grouped_mm"):
@@ -83,9 +87,11 @@ def worker(name, target, steps, batch, seq, experts):
 def run_target(name, target, args):
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, TORCHPJRT_CACHE_DIR=cache, JAX_COMPILATION_CACHE_DIR=cache)
+        if target.endswith(EXACT):
+            env["TORCHPJRT_PADDING"] = "off"
         out = subprocess.run(
-            [sys.executable, __file__, "--worker", name, target, str(args.steps), str(args.batch), str(args.seq),
-             args.experts],
+            [sys.executable, __file__, "--worker", name, target.removesuffix(EXACT), str(args.steps), str(args.batch),
+             str(args.seq), args.experts],
             env=env, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"{name} on {target} failed:\n{out.stderr[-3000:]}")
@@ -110,7 +116,7 @@ def main():
     print(f"experts_implementation={args.experts}, {args.steps} steps, batch {args.batch} x {args.seq} tokens, "
           "a new batch each step; "
           f"steady = median of steps {args.steps // 2 + 1}-{args.steps}")
-    print(f"{'model':10s}{'target':8s}{'first s':>9s}{'steady ms':>11s}{'vs cpu':>8s}{'total s':>9s}"
+    print(f"{'model':10s}{'target':14s}{'first s':>9s}{'steady ms':>11s}{'vs cpu':>8s}{'total s':>9s}"
           f"{'compiles: step 1':>18s}{'2-10':>6s}{'11-':>6s}{'last 10':>9s}{'max |dloss|':>13s}")
     for name in args.models.split(","):
         results = {t: run_target(name, t, args) for t in targets}
@@ -120,7 +126,7 @@ def main():
             med = statistics.median(s[steady])
             ratio = f"{med / statistics.median(base['seconds'][steady]):7.2f}x" if base else f"{'':>8s}"
             dloss = max(abs(a - b) for a, b in zip(r["losses"], base["losses"])) if base else float("nan")
-            print(f"{name:10s}{t:8s}{s[0]:9.2f}{med * 1e3:11.1f}{ratio}{sum(s):9.2f}"
+            print(f"{name:10s}{t:14s}{s[0]:9.2f}{med * 1e3:11.1f}{ratio}{sum(s):9.2f}"
                   f"{c[0]:18d}{sum(c[1:10]):6d}{sum(c[10:]):6d}{sum(c[-10:]):9d}{dloss:13.2e}", flush=True)
 
 

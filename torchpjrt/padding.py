@@ -205,18 +205,20 @@ def _pointwise_inplace(kernel, sig, vals):
 
 
 def empty_like(self, *args, **kwargs):
-    """empty_like (so zeros_like, ones_like, full_like) of a padded tensor is padded alike;
-    of any other tensor, PyTorch's own kernel."""
-    p = padded_dim(self) if live else None
-    if p is not None and kwargs.get("device") in (None, self.device):
-        d, n, B = p
-        full = aten.empty_like.default.redispatch(_COMPOSITE, _widened(self, d, B), *args, **kwargs)
-        if full.shape[d] == B and full.stride(d) and padded_dim(full) is None:
-            return _mark(full, d, n)
-    return aten.empty_like.default.redispatch(_COMPOSITE, self, *args, **kwargs)
+    """empty_like (so zeros_like, ones_like, full_like, `1 - x`) of a padded tensor is padded
+    alike; of any other tensor, PyTorch's own kernel."""
+    if live:
+        p = padded_dim(self)
+        if p is not None and kwargs.get("device") in (None, self.device):
+            d, n, B = p
+            full = _empty_like_composite(_COMPOSITE, _widened(self, d, B), *args, **kwargs)
+            if full.shape[d] == B and padded_dim(full) is None:
+                return _mark(full, d, n)
+    return _empty_like_composite(_COMPOSITE, self, *args, **kwargs)
 
 
 _COMPOSITE = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
+_empty_like_composite = aten.empty_like.default._handle.redispatch_boxed
 
 
 def _call(kernel, sig, vals):
