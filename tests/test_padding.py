@@ -254,3 +254,17 @@ def test_masked_select_and_dtype_conversions():
     sel = px[px > 0]
     _check(sel.to(torch.bfloat16), x[x > 0].to(torch.bfloat16))
     _check(sel.double().sum(0, keepdim=True), x[x > 0].double().sum(0, keepdim=True), padded=False)
+
+
+def test_resize_forgets_the_padding():
+    idx, pidx = _routed()
+    a, pa = _rows(idx, pidx)
+    pa, a = pa.clone(), a.clone()
+    assert padding.storage_padding_of(pa) is not None
+    alias = pa[:]
+    pa.resize_(8, 5)  # grows into the padded positions: they are elements now
+    pa[7] = 0
+    assert padding.storage_padding_of(alias) is None
+    alias.add_(1)
+    torch.testing.assert_close(pa[:7].cpu(), a + 1)
+    assert pa[7].eq(0).all()

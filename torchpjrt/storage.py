@@ -648,6 +648,7 @@ def resize(t: torch.Tensor, size) -> None:
     """PyTorch's resize_: keep the storage, grow it (zero-filled) if it is too small."""
     size = tuple(int(s) for s in size)
     st = t.untyped_storage()._pjrt
+    st.padding = None  # the storage's positions past a padded result may now be elements
     offset = t.storage_offset() if math.prod(size) else 0
     need = offset + math.prod(size)
     if need > st.numel:
