@@ -117,6 +117,11 @@ def test_sums_keep_or_mask_the_padded_dimension():
     _check(pa.sum(0), a.sum(0), padded=False)
     _check(pa.sum(), a.sum(), padded=False)
     assert not pa.sum(0).isnan().any()
+    _check(pa.mean(1), a.mean(1))
+    for dtype in (torch.float32, torch.bfloat16):
+        for fn in (lambda t: t.mean(), lambda t: t.mean(0), lambda t: t.mean((0, 1), keepdim=True),
+                   lambda t: t.mean(0, dtype=torch.float64)):
+            _check(fn(pa.to(dtype)), fn(a.to(dtype)), padded=False)
 
 
 def test_gathers_and_accumulating_scatters():

@@ -24,7 +24,8 @@ Rules (each result is padded along one dimension; anything else is an exact read
   padded input lines up in the broadcast result, and no other input has that dimension;
 - mm, bmm, addmm: a padded row or column dimension stays padded in the result; a padded
   contracted dimension (both operands) is masked, and the result is exact;
-- sum over dimensions: the padded dimension kept stays padded, reduced it is masked;
+- sum and mean over dimensions: the padded dimension kept stays padded; reduced, it is
+  masked (a mean divides the masked sum by the true count);
 - index (advanced indexing with padded 1-D indices, next to each other), index_select: the
   result is padded where the indices went; bool masks become nonzero's padded coordinates;
 - index_add, index_put with accumulate=True (in place or not) with padded indices and values;
@@ -285,6 +286,41 @@ def _sum(kernel, sig, vals):
     return _mark_results(_call(kernel, sig, wide), out_dim, n)
 
 
+def _sum_all(kernel, sig, vals):
+    """x.sum() of a padded x: over the masked storage."""
+    p = padded_dim(vals[0])
+    if p is None:
+        return NotImplemented
+    wide = list(vals)
+    wide[0] = _masked(vals[0], *p)
+    return _call(kernel, sig, wide)
+
+
+def _mean(kernel, sig, vals):
+    """mean over dimensions (all for mean.default): with the padded dimension kept, a mean per
+    position; reduced, the masked sum over the true count (what the kernel computes: the sum
+    in float32 for 16-bit floats, divided, then cast back)."""
+    x = vals[0]
+    p = padded_dim(x)
+    if p is None or not (x.dtype.is_floating_point or x.dtype.is_complex):
+        return NotImplemented
+    d, n, B = p
+    every = len(vals) == 2  # mean.default(self, dtype)
+    dims, keepdim, dtype = (None, False, vals[1]) if every else (vals[1], vals[2], vals[3])
+    reduced = set(range(x.dim())) if not dims else {r % max(x.dim(), 1) for r in dims}
+    if d not in reduced:
+        wide = list(vals)
+        wide[0] = _widened(x, d, B)
+        return _mark_results(_call(kernel, sig, wide), d if keepdim else d - sum(1 for r in reduced if r < d), n)
+    out_dtype = dtype or x.dtype
+    acc = torch.float32 if out_dtype in (torch.float16, torch.bfloat16) else out_dtype
+    total = aten.sum.dim_IntList(_masked(x, d, n, B), sorted(reduced), keepdim, dtype=acc)
+    count = 1
+    for r in reduced:
+        count *= x.shape[r]
+    return aten.div.Tensor(total, count).to(out_dtype)
+
+
 def _padded_indices(indices):
     """(first position, n, B, {position: padded index}) when every index given is a padded 1-D
     tensor and they sit next to each other; else None."""
@@ -451,7 +487,7 @@ def _nonzero(kernel, sig, vals):
 
 _RULES = {
     aten.mm.default: _matmul(0, False), aten.bmm.default: _matmul(0, True), aten.addmm.default: _matmul(1, False),
-    aten.sum.dim_IntList: _sum,
+    aten.sum.dim_IntList: _sum, aten.sum.default: _sum_all, aten.mean.dim: _mean, aten.mean.default: _mean,
     aten.index.Tensor: _index, aten._unsafe_index.Tensor: _index, aten.index_select.default: _index_select,
     aten.index_add.default: _index_add, aten.index_add_.default: _index_add,
     aten.index_put.default: _index_put, aten.index_put_.default: _index_put,
