@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchpjrt
-from torchpjrt import fusion
+from torchpjrt import fusion, padding
 
 DEV = "pjrt"
 
@@ -438,22 +438,35 @@ def test_a_graph_seen_once_runs_op_by_op_with_strict_results():
     torch.testing.assert_close(second, strict, rtol=1e-6, atol=1e-6)
 
 
-def test_shapes_that_follow_the_data_compile_no_graph():
-    # an expert-loop-like region: a host read picks rows, whose count changes every iteration
-    torchpjrt.set_eager_mode("fused")
-    w = torch.randn(4, 4).to(DEV)
-    counts = [3, 5, 2, 6, 4, 1, 7]
+def _rows_region(counts, w):
     outs, expected = [], []
-    before = torchpjrt.eager_stats()["graphs_compiled"]
     for n in counts:
         mask = torch.arange(8) < n
         x = torch.randn(8, 4)
         rows = x.to(DEV)[mask.to(DEV)]  # a data-dependent shape: flushes before and after
         outs.append(((rows @ w).relu() * 2).sum(0).cpu())
         expected.append(((x[mask] @ w.cpu()).relu() * 2).sum(0))
-    assert torchpjrt.eager_stats()["graphs_compiled"] == before  # each graph was new: op by op
     for o, e in zip(outs, expected):
         torch.testing.assert_close(o, e, rtol=1e-5, atol=1e-5)
+
+
+def test_padded_routed_rows_share_one_graph():
+    # an expert-loop-like region: a host read picks rows, whose count changes every iteration;
+    # the rows are padded to one bucket (padding.py), so the region after them is one graph
+    torchpjrt.set_eager_mode("fused")
+    w = torch.randn(4, 4).to(DEV)
+    before = torchpjrt.eager_stats()["graphs_compiled"]
+    _rows_region([3, 5, 2, 6, 4, 7], w)
+    assert torchpjrt.eager_stats()["graphs_compiled"] == before + 1
+
+
+def test_shapes_that_follow_the_data_compile_no_graph(monkeypatch):
+    monkeypatch.setattr(padding, "enabled", False)  # exact sizes: every count is a new shape
+    torchpjrt.set_eager_mode("fused")
+    w = torch.randn(4, 4).to(DEV)
+    before = torchpjrt.eager_stats()["graphs_compiled"]
+    _rows_region([3, 5, 2, 6, 4, 1, 7], w)
+    assert torchpjrt.eager_stats()["graphs_compiled"] == before  # each graph was new: op by op
 
 
 def test_compile_after_one_compiles_at_first_sighting_and_is_restored():

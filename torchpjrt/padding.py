@@ -47,6 +47,7 @@ from . import fusion, storage
 
 aten = torch.ops.aten
 
+# read when kernels are registered; switching it off later stops new padded results
 enabled = os.environ.get("TORCHPJRT_PADDING", "on").strip().lower() not in ("0", "off", "false", "no")
 MIN_BUCKET = 8
 live = 0  # padded storages alive: while 0, every rule's wrapper returns at once
@@ -342,6 +343,8 @@ def _padded_indices(indices):
 def _index(kernel, sig, vals):
     x, indices = vals[0], list(vals[1])
     if any(t is not None and t.dtype in (torch.bool, torch.uint8) for t in indices):
+        if any(t is not None and t.dtype == torch.uint8 for t in indices):
+            return NotImplemented  # deprecated: the kernel warns as CPU does
         return _index_with_masks(kernel, sig, vals)
     if not live:
         return NotImplemented
@@ -359,7 +362,7 @@ def _index_with_masks(kernel, sig, vals):
     x, indices = vals[0], list(vals[1])
     expanded, dim = [], 0
     for t in indices:
-        if t is not None and t.dtype in (torch.bool, torch.uint8):
+        if t is not None and t.dtype == torch.bool:
             if t.device.type != "pjrt" or t.dim() == 0 or tuple(t.shape) != tuple(x.shape[dim:dim + t.dim()]):
                 return NotImplemented  # the lowering gives CPU's errors for these
             coords = aten.nonzero.default(t)
@@ -475,7 +478,7 @@ def _nonzero(kernel, sig, vals):
     """nonzero at a bucket size: the count is read back (as the exact kernel must), the
     coordinates computed for B rows, of which the first n are the result."""
     x = vals[0]
-    if x.dim() == 0 or x.numel() < 2:
+    if not enabled or x.dim() == 0 or x.numel() < 2:
         return NotImplemented
     array = fusion.concrete_tree(storage.read(x))
     n = int(_count_fn()(array))
