@@ -195,6 +195,7 @@ def _moe_step(device, seed, weights, tokens=32, experts=4):
     return [t.detach().cpu() for t in (loss, h.grad, w1.grad, w2.grad)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["strict", "fused"])
 def test_expert_loop_trains_like_cpu(mode):
     torch.manual_seed(0)
@@ -208,6 +209,7 @@ def test_expert_loop_trains_like_cpu(mode):
         torchpjrt.set_eager_mode("strict")
 
 
+@pytest.mark.slow
 def test_sizes_in_one_bucket_compile_nothing_new():
     """Routed sizes 9..16 share bucket 16: after the first, no kernel compiles, forward or
     backward."""
