@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from . import fusion, storage
+from . import fusion, kernel_cache, placement, storage
 
 aten = torch.ops.aten
 
@@ -111,12 +111,14 @@ def _widened(t, d, B):
 
 
 @functools.lru_cache(maxsize=None)
-def _fill_beyond_fn(dim, fill):
+def _fill_beyond_fn(shape, dtype, dim, fill, device):
     def fill_beyond(x, n):
         keep = lax.broadcasted_iota(jnp.int64, x.shape, dim) < n
         return jnp.where(keep, x, jnp.asarray(fill, x.dtype) if x.dtype != jnp.bool_ else False)
 
-    return jax.jit(fill_beyond)
+    # kept on disk like every kernel: a warm process loads it instead of tracing it
+    return kernel_cache.kept(jax.jit(fill_beyond), ("padding.fill_beyond", shape, str(dtype), dim, fill,
+                                                             device))
 
 
 def _masked(t, d, n, B, fill=None):
@@ -124,8 +126,9 @@ def _masked(t, d, n, B, fill=None):
     floating point: adds nothing; 0 for integers): a new tensor."""
     if fill is None:
         fill = -0.0 if (t.dtype.is_floating_point or t.dtype.is_complex) else 0
-    wide = _widened(t, d, B)
-    return storage.wrap(fusion.call(_fill_beyond_fn(d, fill), storage.read(wide), n), t.dtype)
+    array = storage.read(_widened(t, d, B))
+    fill_beyond = _fill_beyond_fn(tuple(array.shape), array.dtype, d, fill, placement.index_of(array))
+    return storage.wrap(fusion.call(fill_beyond, array, n), t.dtype)
 
 
 def _same_padding(found):
@@ -465,13 +468,16 @@ def _masked_select(kernel, sig, vals):
 
 
 @functools.lru_cache(maxsize=None)
-def _count_fn():
-    return jax.jit(lambda x: jnp.count_nonzero(x))
+def _count_fn(shape, dtype, device):
+    return kernel_cache.kept(jax.jit(jnp.count_nonzero), ("padding.count_nonzero", shape, str(dtype), device))
 
 
 @functools.lru_cache(maxsize=None)
-def _nonzero_fn(size):
-    return jax.jit(lambda x: jnp.stack(jnp.nonzero(x, size=size, fill_value=0), axis=-1).astype(jnp.int64))
+def _nonzero_fn(shape, dtype, size, device):
+    def coordinates(x):
+        return jnp.stack(jnp.nonzero(x, size=size, fill_value=0), axis=-1).astype(jnp.int64)
+
+    return kernel_cache.kept(jax.jit(coordinates), ("padding.nonzero", shape, str(dtype), size, device))
 
 
 def _nonzero(kernel, sig, vals):
@@ -481,11 +487,12 @@ def _nonzero(kernel, sig, vals):
     if not enabled or x.dim() == 0 or x.numel() < 2:
         return NotImplemented
     array = fusion.concrete_tree(storage.read(x))
-    n = int(_count_fn()(array))
+    shape, dtype, device = tuple(array.shape), array.dtype, placement.index_of(array)
+    n = int(_count_fn(shape, dtype, device)(array))
     B = bucket(n, x.numel())
     if n == 0:
         return NotImplemented
-    return _mark(storage.wrap(_nonzero_fn(B)(array)), 0, n)
+    return _mark(storage.wrap(_nonzero_fn(shape, dtype, B, device)(array)), 0, n)
 
 
 _RULES = {
