@@ -275,3 +275,47 @@ def test_resize_forgets_the_padding():
     alias.add_(1)
     torch.testing.assert_close(pa[:7].cpu(), a + 1)
     assert pa[7].eq(0).all()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_masked_cross_entropy_trains_like_cpu(reduction):
+    """The loss of the selected tokens only (masked language modelling's pattern)."""
+    torch.manual_seed(0)
+    logits, labels = torch.randn(20, 7), torch.randint(0, 7, (20,))
+    labels[3] = -100
+    keep = torch.rand(20) > 0.4
+    results = []
+    for device in ("cpu", "pjrt"):
+        x = logits.clone().to(device).requires_grad_()
+        m, y = keep.to(device), labels.to(device)
+        loss = F.cross_entropy(x[m], y[m], reduction=reduction)
+        if device == "pjrt" and reduction == "none":
+            assert padding.storage_padding_of(loss) is not None
+        loss.sum().backward()
+        results.append((loss.detach().cpu(), x.grad.cpu()))
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want)
+    idx, pidx = _routed()
+    a, pa = _rows(idx, pidx)
+    _check(pa.softmax(1), a.softmax(1))
+    _check(pa.t().log_softmax(0), a.t().log_softmax(0))
+
+
+@pytest.mark.slow
+def test_masked_loss_sizes_in_one_bucket_compile_nothing_new():
+    torch.manual_seed(0)
+    x = torch.randn(20, 7, device="pjrt", requires_grad=True)
+    y = torch.randint(0, 7, (20,), device="pjrt")
+
+    def step(n):
+        m = torch.zeros(20, dtype=torch.bool)
+        m[:n] = True
+        m = m.to("pjrt")
+        F.cross_entropy(x[m], y[m]).backward()
+
+    step(9)
+    step(9)
+    before = dispatch.stats["compiled"]
+    for n in (10, 12, 15, 16):
+        step(n)
+    assert dispatch.stats["compiled"] == before

@@ -29,7 +29,9 @@ Rules (each result is padded along one dimension; anything else is an exact read
 - index (advanced indexing with padded 1-D indices, next to each other), index_select: the
   result is padded where the indices went; bool masks become nonzero's padded coordinates;
 - index_add, index_put with accumulate=True (in place or not) with padded indices and values;
-- cat along another dimension of tensors padded alike.
+- cat along another dimension of tensors padded alike;
+- softmax and log_softmax along another dimension, and nll_loss (so cross_entropy) over padded
+  rows: their targets become ignore_index, which the loss, its mean and its gradient leave out.
 
 TORCHPJRT_PADDING=off turns it off (every data-dependent size is then exact, compiled per size).
 """
@@ -325,6 +327,67 @@ def _mean(kernel, sig, vals):
     return aten.div.Tensor(total, count).to(out_dtype)
 
 
+def _along_dim(dim_pos):
+    """softmax and log_softmax (and their backward) along another dimension than the padded
+    one: every tensor argument padded alike."""
+
+    def rule(kernel, sig, vals):
+        found = {}
+        for i, v in enumerate(vals):
+            if isinstance(v, torch.Tensor):
+                p = padded_dim(v)
+                if p is None:
+                    return NotImplemented
+                found[i] = p
+        if not found or len(set(found.values())) != 1 or len({vals[i].dim() for i in found}) != 1:
+            return NotImplemented
+        d, n, B = next(iter(found.values()))
+        if vals[dim_pos] % max(vals[next(iter(found))].dim(), 1) == d:
+            return NotImplemented
+        wide = list(vals)
+        for i in found:
+            wide[i] = _widened(vals[i], d, B)
+        return _mark_results(_call(kernel, sig, wide), d, n)
+
+    return rule
+
+
+def _nll_padded(x, target, weight):
+    """(n, B) when nll_loss's input rows and targets are padded alike, else None."""
+    px, pt = padded_dim(x), padded_dim(target)
+    if px is None or pt is None or x.dim() != 2 or px[0] != 0 or pt[0] != 0 or px[1:] != pt[1:] \
+            or padded_dim(weight) is not None:
+        return None
+    return px[1:]
+
+
+def _nll_forward(kernel, sig, vals):
+    """nll_loss (so cross_entropy) on padded rows: their targets become ignore_index, which
+    the loss, its total weight and its gradient leave out."""
+    x, target, weight, reduction, ignore_index = vals[:5]
+    nb = _nll_padded(x, target, weight)
+    if nb is None:
+        return NotImplemented
+    n, B = nb
+    wide = list(vals)
+    wide[0], wide[1] = _widened(x, 0, B), _masked(target, 0, n, B, ignore_index)
+    output, total_weight = _call(kernel, sig, wide)
+    return (_mark(output, 0, n) if reduction == 0 else output), total_weight
+
+
+def _nll_backward(kernel, sig, vals):
+    grad_output, x, target, weight, reduction, ignore_index = vals[:6]
+    nb = _nll_padded(x, target, weight)
+    if nb is None or (reduction == 0 and padded_dim(grad_output) != (0,) + nb):
+        return NotImplemented
+    n, B = nb
+    wide = list(vals)
+    wide[1], wide[2] = _widened(x, 0, B), _masked(target, 0, n, B, ignore_index)
+    if reduction == 0:
+        wide[0] = _widened(grad_output, 0, B)
+    return _mark(_call(kernel, sig, wide), 0, n)
+
+
 def _padded_indices(indices):
     """(first position, n, B, {position: padded index}) when every index given is a padded 1-D
     tensor and they sit next to each other; else None."""
@@ -360,22 +423,30 @@ def _index(kernel, sig, vals):
     return _mark_results(_call(kernel, sig, wide), first, n)
 
 
-def _index_with_masks(kernel, sig, vals):
-    """x[mask]: the mask's nonzero coordinates (padded) as indices, as CPU's kernel does."""
-    x, indices = vals[0], list(vals[1])
+def _expand_masks(x, indices):
+    """Indices with each bool mask replaced by its nonzero coordinates (padded), as CPU's
+    kernel does; None when a mask does not fit or nothing came out padded."""
     expanded, dim = [], 0
     for t in indices:
         if t is not None and t.dtype == torch.bool:
             if t.device.type != "pjrt" or t.dim() == 0 or tuple(t.shape) != tuple(x.shape[dim:dim + t.dim()]):
-                return NotImplemented  # the lowering gives CPU's errors for these
+                return None  # the kernel gives CPU's errors for these
             coords = aten.nonzero.default(t)
             if padded_dim(coords) is None:
-                return NotImplemented  # nothing padded: the exact lowering is as fast
+                return None  # nothing padded: the exact kernel is as fast
             expanded.extend(coords.unbind(1))
             dim += t.dim()
         else:
             expanded.append(t)
             dim += 1
+    return expanded
+
+
+def _index_with_masks(kernel, sig, vals):
+    """x[mask]: the mask's coordinates as padded indices."""
+    expanded = _expand_masks(vals[0], list(vals[1]))
+    if expanded is None:
+        return NotImplemented
     wide = list(vals)
     wide[1] = expanded
     out = _index(kernel, sig, wide)
@@ -408,8 +479,15 @@ def _index_add(kernel, sig, vals):
 
 def _index_put(kernel, sig, vals):
     x, indices, values, accumulate = vals[0], list(vals[1]), vals[2], vals[3]
-    if not accumulate or padded_dim(x) is not None:
+    if not accumulate or padded_dim(x) is not None or padded_dim(values) is None:
         return NotImplemented
+    if any(t is not None and t.dtype in (torch.bool, torch.uint8) for t in indices):
+        # the backward of x[mask]: the mask's coordinates, padded like the values
+        if any(t is not None and t.dtype == torch.uint8 for t in indices):
+            return NotImplemented
+        indices = _expand_masks(x, indices)
+        if indices is None:
+            return NotImplemented
     found = _padded_indices(indices)
     pv = padded_dim(values)
     if found is None or pv is None:
@@ -503,6 +581,9 @@ _RULES = {
     aten.index_put.default: _index_put, aten.index_put_.default: _index_put,
     aten._index_put_impl_.default: _index_put,
     aten.cat.default: _cat,
+    aten._softmax.default: _along_dim(1), aten._log_softmax.default: _along_dim(1),
+    aten._softmax_backward_data.default: _along_dim(2), aten._log_softmax_backward_data.default: _along_dim(2),
+    aten.nll_loss_forward.default: _nll_forward, aten.nll_loss_backward.default: _nll_backward,
     aten._to_copy.default: _to_copy,
     aten.fill_.Scalar: _pointwise_inplace, aten.fill_.Tensor: _pointwise_inplace, aten.zero_.default: _pointwise_inplace,
 }
