@@ -122,6 +122,11 @@ def test_sums_keep_or_mask_the_padded_dimension():
         for fn in (lambda t: t.mean(), lambda t: t.mean(0), lambda t: t.mean((0, 1), keepdim=True),
                    lambda t: t.mean(0, dtype=torch.float64)):
             _check(fn(pa.to(dtype)), fn(a.to(dtype)), padded=False)
+    for dims, error in (((0, 0), RuntimeError), ((5,), IndexError)):  # refused as on CPU
+        with pytest.raises(error):
+            a.mean(dims)
+        with pytest.raises(error):
+            pa.mean(dims)
 
 
 def test_gathers_and_accumulating_scatters():

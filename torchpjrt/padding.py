@@ -313,7 +313,9 @@ def _mean(kernel, sig, vals):
     d, n, B = p
     every = len(vals) == 2  # mean.default(self, dtype)
     dims, keepdim, dtype = (None, False, vals[1]) if every else (vals[1], vals[2], vals[3])
-    reduced = set(range(x.dim())) if not dims else {r % max(x.dim(), 1) for r in dims}
+    if dims and (any(not -x.dim() <= r < x.dim() for r in dims) or len({r % x.dim() for r in dims}) != len(dims)):
+        return NotImplemented  # the kernel raises CPU's error
+    reduced = set(range(x.dim())) if not dims else {r % x.dim() for r in dims}
     if d not in reduced:
         wide = list(vals)
         wide[0] = _widened(x, d, B)
