@@ -124,8 +124,7 @@ def meta_like(t: torch.Tensor) -> torch.Tensor:
             return torch.empty((), dtype=t.dtype, device="meta")
         return t
     size, stride, offset = tuple(t.shape), t.stride(), t.storage_offset()
-    span = offset + 1 + sum((s - 1) * st for s, st in zip(size, stride)) if all(size) else offset
-    base = torch.empty((span,), dtype=t.dtype, device="meta")
+    base = torch.empty((offset + storage.span(size, stride),), dtype=t.dtype, device="meta")
     m = base.as_strided(size, stride, offset)
     if t.requires_grad and _is_leaf(t):
         m.requires_grad_(True)
@@ -367,9 +366,8 @@ class LoweredKernel:
                         key.append((st.shape, st.dtype, v.stride()))
                         dyn.append((st.value(), offset))
             elif k == SCALAR:
-                t = v.__class__
-                if v is None or t is bool or (t is int and v == 1) or i in static_positions:  # scalar_is_static
-                    key.append(("s", t, v))  # True == 1 == 1.0: the type tells them apart
+                if scalar_is_static(v, i, static_positions):
+                    key.append(("s", type(v), v))  # True == 1 == 1.0: the type tells them apart
                 else:
                     if isinstance(v, torch.Tensor):
                         v = v.item()
@@ -978,7 +976,7 @@ def _check_in_storage(base, size, stride, offset, dtype):
     """CPU's check that an as_strided view stays inside its storage (the meta kernel that made the
     plan only sees the input view's extent)."""
     itemsize = dtype.itemsize
-    need = itemsize * (offset + 1 + sum((n - 1) * st for n, st in zip(size, stride))) if all(size) else 0
+    need = itemsize * (offset + storage.span(size, stride)) if all(size) else 0
     have = base.untyped_storage().nbytes()
     if need > have:
         raise RuntimeError(f"setStorage: sizes {list(size)}, strides {list(stride)}, storage offset {offset}, and "
@@ -1357,8 +1355,7 @@ def k_empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_m
     dtype = dtype or torch.get_default_dtype()
     if stride == storage.contiguous_strides(size):
         return storage.empty(size, dtype, index)
-    span = 1 + sum((s - 1) * st for s, st in zip(size, stride)) if all(size) else 0
-    base = storage.empty((span,), dtype, index)
+    base = storage.empty((storage.span(size, stride),), dtype, index)
     storage.set_geometry(base, size, stride, 0)
     return base
 

@@ -665,6 +665,11 @@ def _grow_fn(old_n, new_n, dtype):
     return jax.jit(lambda x: jnp.concatenate([x.reshape(-1), jnp.zeros((new_n - old_n,), dtype)]))
 
 
+def span(size, stride) -> int:
+    """Elements from a strided tensor's first to its last, inclusive (0 for an empty one)."""
+    return 1 + sum((n - 1) * st for n, st in zip(size, stride)) if all(size) else 0
+
+
 def contiguous_strides(size):
     stride, acc = [], 1
     for s in reversed(size):
