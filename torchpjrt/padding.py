@@ -53,7 +53,6 @@ aten = torch.ops.aten
 enabled = os.environ.get("TORCHPJRT_PADDING", "on").strip().lower() not in ("0", "off", "false", "no")
 MIN_BUCKET = 8
 live = 0  # padded storages alive: while 0, every rule's wrapper returns at once
-stats = {"padded_results": 0}
 
 
 def bucket(n: int, limit: int) -> int:
@@ -74,7 +73,6 @@ def _mark(full: torch.Tensor, dim: int, n: int) -> torch.Tensor:
     st.padding = (n, B, full.stride(dim))
     live += 1
     weakref.finalize(st, _forget, None)
-    stats["padded_results"] += 1
     if B == n:
         return full  # marked all the same: it shares the bucket's kernels
     size = list(full.shape)
@@ -275,21 +273,26 @@ def _matmul(first, batched):
     return rule
 
 
+def _reduced_apart(kernel, sig, vals, p, reduced, keepdim):
+    """A reduction over dimensions other than the padded one: per padded position."""
+    d, n, B = p
+    wide = list(vals)
+    wide[0] = _widened(vals[0], d, B)
+    out_dim = d if keepdim else d - sum(1 for r in reduced if r < d)
+    return _mark_results(_call(kernel, sig, wide), out_dim, n)
+
+
 def _sum(kernel, sig, vals):
     x, dims, keepdim = vals[0], vals[1], vals[2]
     p = padded_dim(x)
     if p is None:
         return NotImplemented
-    d, n, B = p
-    ndim = max(x.dim(), 1)
-    reduced = set(range(x.dim())) if not dims else {r % ndim for r in dims}
+    reduced = set(range(x.dim())) if not dims else {r % max(x.dim(), 1) for r in dims}
+    if p[0] not in reduced:
+        return _reduced_apart(kernel, sig, vals, p, reduced, keepdim)
     wide = list(vals)
-    if d in reduced:
-        wide[0] = _masked(x, d, n, B)
-        return _call(kernel, sig, wide)
-    wide[0] = _widened(x, d, B)
-    out_dim = d if keepdim else d - sum(1 for r in reduced if r < d)
-    return _mark_results(_call(kernel, sig, wide), out_dim, n)
+    wide[0] = _masked(x, *p)
+    return _call(kernel, sig, wide)
 
 
 def _sum_all(kernel, sig, vals):
@@ -317,9 +320,7 @@ def _mean(kernel, sig, vals):
         return NotImplemented  # the kernel raises CPU's error
     reduced = set(range(x.dim())) if not dims else {r % x.dim() for r in dims}
     if d not in reduced:
-        wide = list(vals)
-        wide[0] = _widened(x, d, B)
-        return _mark_results(_call(kernel, sig, wide), d if keepdim else d - sum(1 for r in reduced if r < d), n)
+        return _reduced_apart(kernel, sig, vals, p, reduced, keepdim)
     out_dtype = dtype or x.dtype
     acc = torch.float32 if out_dtype in (torch.float16, torch.bfloat16) else out_dtype
     total = aten.sum.dim_IntList(_masked(x, d, n, B), sorted(reduced), keepdim, dtype=acc)
@@ -391,8 +392,8 @@ def _nll_backward(kernel, sig, vals):
 
 
 def _padded_indices(indices):
-    """(first position, n, B, {position: padded index}) when every index given is a padded 1-D
-    tensor and they sit next to each other; else None."""
+    """(first position, n, B) when every index given is a padded 1-D tensor and they sit next
+    to each other; else None."""
     given = [i for i, t in enumerate(indices) if t is not None]
     if not given or given != list(range(given[0], given[-1] + 1)):
         return None
@@ -403,23 +404,26 @@ def _padded_indices(indices):
             return None
         found[i] = p
     nb = _same_padding(found.values())
-    if nb is None:
-        return None
-    return given[0], nb[0], nb[1], found
+    return None if nb is None else (given[0], *nb)
+
+
+def _mask_dtypes(indices):
+    """The dtypes of the bool and uint8 masks among advanced indices (uint8 masks are deprecated:
+    they keep the exact kernel, which warns as CPU does)."""
+    return {t.dtype for t in indices if t is not None and t.dtype in (torch.bool, torch.uint8)}
 
 
 def _index(kernel, sig, vals):
     x, indices = vals[0], list(vals[1])
-    if any(t is not None and t.dtype in (torch.bool, torch.uint8) for t in indices):
-        if any(t is not None and t.dtype == torch.uint8 for t in indices):
-            return NotImplemented  # deprecated: the kernel warns as CPU does
-        return _index_with_masks(kernel, sig, vals)
+    masks = _mask_dtypes(indices)
+    if masks:
+        return NotImplemented if torch.uint8 in masks else _index_with_masks(kernel, sig, vals)
     if not live:
         return NotImplemented
     found = _padded_indices(indices)
     if found is None or padded_dim(x) is not None:
         return NotImplemented
-    first, n, B, _ = found
+    first, n, B = found
     wide = list(vals)
     wide[1] = [None if t is None else _masked(t, 0, n, B, 0) for t in indices]
     return _mark_results(_call(kernel, sig, wide), first, n)
@@ -481,20 +485,19 @@ def _index_add(kernel, sig, vals):
 
 def _index_put(kernel, sig, vals):
     x, indices, values, accumulate = vals[0], list(vals[1]), vals[2], vals[3]
-    if not accumulate or padded_dim(x) is not None or padded_dim(values) is None:
+    pv = padded_dim(values)
+    if not accumulate or padded_dim(x) is not None or pv is None:
         return NotImplemented
-    if any(t is not None and t.dtype in (torch.bool, torch.uint8) for t in indices):
+    masks = _mask_dtypes(indices)
+    if masks:
         # the backward of x[mask]: the mask's coordinates, padded like the values
-        if any(t is not None and t.dtype == torch.uint8 for t in indices):
-            return NotImplemented
-        indices = _expand_masks(x, indices)
+        indices = None if torch.uint8 in masks else _expand_masks(x, indices)
         if indices is None:
             return NotImplemented
     found = _padded_indices(indices)
-    pv = padded_dim(values)
-    if found is None or pv is None:
+    if found is None:
         return NotImplemented
-    first, n, B, _ = found
+    first, n, B = found
     result_rank = x.dim() - sum(t is not None for t in indices) + 1
     if pv[1:] != (n, B) or pv[0] != values.dim() - result_rank + first:
         return NotImplemented
@@ -569,10 +572,9 @@ def _nonzero(kernel, sig, vals):
     array = fusion.concrete_tree(storage.read(x))
     shape, dtype, device = tuple(array.shape), array.dtype, placement.index_of(array)
     n = int(_count_fn(shape, dtype, device)(array))
-    B = bucket(n, x.numel())
-    if n == 0:
-        return NotImplemented
-    return _mark(storage.wrap(_nonzero_fn(shape, dtype, B, device)(array)), 0, n)
+    if n == 0:  # nothing to pad; computed here rather than counted again by the exact kernel
+        return storage.wrap(_nonzero_fn(shape, dtype, 0, device)(array))
+    return _mark(storage.wrap(_nonzero_fn(shape, dtype, bucket(n, x.numel()), device)(array)), 0, n)
 
 
 _RULES = {
