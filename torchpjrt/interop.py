@@ -55,6 +55,8 @@ def from_jax(array) -> torch.Tensor:
         array = jax.device_put(array, jax_device())
     else:
         placement.require(placement.index_of(array))
+    if isinstance(array.sharding, jax.sharding.NamedSharding):
+        storage.mesh_placements = True  # writes into it keep its placement (storage.write)
     return storage.wrap(array, dtype)
 
 

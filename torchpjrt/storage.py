@@ -30,6 +30,7 @@ _create_empty = torch._C._acc.create_empty_tensor
 _META = torch._C.DispatchKeySet(torch._C.DispatchKey.Meta)
 _set_storage = torch.ops.aten.set_.source_Storage_storage_offset
 _inference_mode_enabled = torch.is_inference_mode_enabled
+_TO_JAX = dtypes.TORCH_TO_JAX
 
 
 class Storage:
@@ -63,10 +64,13 @@ class Storage:
         return self.array
 
     def replace(self, array):
-        self._hold(array)
-        if self.padding is not None and tuple(array.shape) != self.shape:
+        self.array = array
+        if type(array) is fusion.Pending:
+            fusion.track(self)  # swapped for the computed array when the graph runs
+        shape = array.shape
+        if shape != self.shape:
+            self.shape = tuple(shape)
             self.padding = None
-        self.shape = tuple(array.shape)
         self.version += 1
         self.views = None
 
@@ -178,14 +182,19 @@ def write(t: torch.Tensor, value, allow_overlap=False) -> None:
     `allow_overlap` (fill_, index_put_): then the last of the values for one location stays,
     as with CPU's sequential writes."""
     st = t.untyped_storage()._pjrt
-    jdtype = dtypes.to_jax(t.dtype)
+    dtype = t.dtype
+    jdtype = _TO_JAX.get(dtype) or dtypes.to_jax(dtype)
     if value.dtype != jdtype:
         value = _cast(value, jdtype)
-    if tuple(value.shape) != tuple(t.shape):
-        value = _broadcast(value, tuple(t.shape))
-    if t.dtype == st.dtype and t.shape == st.shape and t.storage_offset() == 0 and t.is_contiguous():
-        st.replace(_keep_mesh_placement(st.array, value))
+    shape = t.shape
+    if dtype is st.dtype and shape == st.shape and t.storage_offset() == 0 and t.is_contiguous():
+        # the whole storage (every in-place op on a plain tensor, each of a foreach op's tensors)
+        if value.shape != st.shape:
+            value = _broadcast(value, st.shape)
+        st.replace(_keep_mesh_placement(st.array, value) if mesh_placements else value)
         return
+    if tuple(value.shape) != tuple(shape):
+        value = _broadcast(value, tuple(shape))
     if t.numel() == 0:
         return
     size, stride = tuple(t.shape), t.stride()
@@ -210,6 +219,11 @@ def write(t: torch.Tensor, value, allow_overlap=False) -> None:
 def _last_along_fn(dims):
     index = tuple(slice(-1, None) if d else slice(None) for d in dims)
     return jax.jit(lambda x: x[index])
+
+
+# set once anything is placed over a mesh (distributed.spmd, collectives, a sharded jax.Array
+# taken in): until then whole-storage writes skip the placement check below
+mesh_placements = False
 
 
 def _keep_mesh_placement(old, new):
@@ -545,25 +559,27 @@ def _find_storage_words():
 
 
 _DATA_POINTER_OFFSET, _SIZE_OFFSET = _find_storage_words()
-# the words from the data pointer to the size, written through one ctypes array per storage
+# the process's memory as 8-byte words from address 8 on: writing a storage's two words by index
+# costs a fraction of building a ctypes array at its address for each new storage
+_WORDS = ctypes.c_uint64 * (1 << 56)
+_MEMORY = _WORDS.from_address(8) if _DATA_POINTER_OFFSET is not None else None
 _SIZE_WORD = (_SIZE_OFFSET - _DATA_POINTER_OFFSET) // 8 if _SIZE_OFFSET is not None else None
-_STORAGE_WORDS = ctypes.c_uint64 * (_SIZE_WORD + 1) if _SIZE_WORD is not None else None
 
 
 def give_address(s: torch.UntypedStorage, nbytes: int) -> None:
     """Give the c10 storage `s` a fresh address for `nbytes` bytes (0 for none, as on CPU), and
     `nbytes` as its size (what CPU's view kernels check a view against)."""
     global _next_address
-    if _DATA_POINTER_OFFSET is None:
+    if _MEMORY is None:
         return
     address = 0
     if nbytes:
         with _address_lock:
             address = _next_address
             _next_address += -(-nbytes // _ADDRESS_ALIGN) * _ADDRESS_ALIGN
-    words = _STORAGE_WORDS.from_address(s._cdata + _DATA_POINTER_OFFSET)
-    words[0] = address
-    words[_SIZE_WORD] = nbytes
+    word = (s._cdata + _DATA_POINTER_OFFSET - 8) >> 3
+    _MEMORY[word] = address
+    _MEMORY[word + _SIZE_WORD] = nbytes
 
 
 def storage_words_known() -> bool:

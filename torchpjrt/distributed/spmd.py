@@ -28,6 +28,9 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec, SingleDeviceSha
 from .. import device as pjrt_device
 from .. import dtypes, fusion, storage
 
+# whole-storage writes check for a mesh placement to keep from now on (storage.write)
+storage.mesh_placements = True
+
 __all__ = ["mesh", "shard", "replicate", "shard_input", "parallelize", "sharding_of", "partition_spec",
            "Replicate", "FullyShard", "ColwiseParallel", "RowwiseParallel"]
 
