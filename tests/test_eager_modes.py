@@ -240,6 +240,47 @@ def test_fused_training_matches_strict_and_compiles_only_in_the_first_steps():
     assert sgd[2] == sgd[1] > sgd[0], sgd  # plain SGD: the second step compiles, the third nothing
 
 
+def test_host_scalars_of_a_compiled_graph_keep_their_values_and_types(monkeypatch):
+    """A compiled graph gets its host scalars packed by dtype: each keeps its value (changing
+    every run, without a recompile) and the type promotion it had as a separate argument (a
+    Python float times a float32 tensor computes in float32), so the results are those of the
+    same graph with every scalar passed on its own."""
+    x32 = torch.randn(4, 3).to(DEV)
+    i32 = torch.arange(12, dtype=torch.int32).reshape(4, 3).to(DEV)
+    step_count = torch.tensor(0.0)  # a CPU scalar tensor, as an optimizer's step
+
+    def region(k):
+        step_count.add_(1)
+        lr, wd = 0.1 * (k + 1), 1e-8 * k
+        a = x32 * lr
+        e = x32 - wd
+        s = step_count * x32
+        b = i32 * (k + 3) + 2**40 // (k + 1)  # a Python int times int32 stays int32 (wrapping as CPU)
+        c = (x32 > 0) & (k % 2 == 0)  # a bool
+        d = x32.add(x32, alpha=1.0 / (k + 7)).div(3.0 + k)
+        return a, e, s, b, c, d
+
+    def run(pack_from):
+        monkeypatch.setattr(fusion, "pack_host_scalars_from", pack_from)
+        fusion._compiled.clear()
+        step_count.zero_()
+        with torchpjrt.eager_mode("fused"):
+            compiled = torchpjrt.eager_stats()["graphs_compiled"]
+            results = [[t.cpu() for t in region(k)] for k in range(5)]
+            # a bool is a static argument: two graphs (even and odd k), each compiled at its second sighting
+            assert torchpjrt.eager_stats()["graphs_compiled"] == compiled + 2
+        return results
+
+    step_count.zero_()
+    strict = [[t.cpu() for t in region(k)] for k in range(5)]
+    separate, packed = run(10**9), run(2)
+    for k in range(5):
+        for p, s, c in zip(packed[k], separate[k], strict[k]):
+            assert p.dtype == s.dtype == c.dtype
+            torch.testing.assert_close(p, s, rtol=0, atol=0)
+            torch.testing.assert_close(p, c)
+
+
 def test_an_inference_loop_compiles_once():
     torchpjrt.set_eager_mode("fused", max_ops=50)  # a cap that would cut mid-iteration
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(DEV).eval()

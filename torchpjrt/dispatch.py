@@ -392,8 +392,13 @@ class LoweredKernel:
                     else:
                         if multi:
                             on = _op_device(on, t)
-                        parts.append((t.shape, t.dtype))
-                        arrays.append(storage.read(t))
+                        shape, dtype = t.shape, t.dtype
+                        parts.append((shape, dtype))
+                        st = t.untyped_storage()._pjrt
+                        if shape == st.shape and dtype is st.dtype and t.storage_offset() == 0 and t.is_contiguous():
+                            arrays.append(st.array if st.array is not None else st.value())
+                        else:
+                            arrays.append(storage.read(t))
                 key.append(tuple(parts))
                 dyn.append(arrays)
             elif k == SCALAR_LIST and not self.lowering.static:
@@ -1608,10 +1613,25 @@ def _instrumented(op, kernel):
     return registered
 
 
-def _padding_aware(op, lowering, kernel):
-    """`kernel`, or with its rule for padded storages (padding.py) where `op` has one."""
+def _registered(op, lowering, kernel):
+    """`kernel` as registered (`_instrumented`), with its rule for padded storages (padding.py)
+    where `op` has one: the rule's wrapper runs only while padded storages are alive (one frame
+    less per op otherwise)."""
     rule = padding.rule_for(op, lowering)
-    return kernel if rule is None else padding.aware(op, kernel, rule, signature(op))
+    if rule is None:
+        return _instrumented(op, kernel)
+    padded = padding.aware(op, kernel, rule, signature(op))
+    if op in padding.PRODUCERS:
+        return _instrumented(op, padded)
+
+    def registered(*args, **kwargs):
+        if eager.debug_enabled:
+            return eager.run_debug(op, padded, args, kwargs)
+        if padding.live:
+            return padded(*args, **kwargs)
+        return kernel(*args, **kwargs)
+
+    return registered
 
 
 def _op_named(qualname):
@@ -1627,7 +1647,7 @@ def register():
     _libs.append(lib)
     for name, fn in SPECIAL_KERNELS.items():
         op = _op_named(name)
-        lib.impl(name, _instrumented(op, _padding_aware(op, None, fn)), "PrivateUse1")
+        lib.impl(name, _registered(op, None, fn), "PrivateUse1")
     for op in _inplace_view_ops():
         lib.impl(_qualname(op), _instrumented(op, _bound(inplace_view_kernel, op)), "PrivateUse1")
     for op, lowering in TABLE.items():
@@ -1637,14 +1657,11 @@ def register():
             # a backend kernel would shadow the decomposition that carries autograd;
             # such lowerings serve the graph paths only
             continue
-        lib.impl(_qualname(op), _instrumented(op, _padding_aware(op, lowering, make_functional_kernel(op, lowering))),
-                 "PrivateUse1")
+        lib.impl(_qualname(op), _registered(op, lowering, make_functional_kernel(op, lowering)), "PrivateUse1")
         for derived in derived_overloads(op):
             if _qualname(derived) in SPECIAL_KERNELS or _is_composite_implicit(derived):
                 continue
-            lib.impl(_qualname(derived), _instrumented(derived, _padding_aware(derived, lowering,
-                                                                               derived_kernel(derived, op))),
-                     "PrivateUse1")
+            lib.impl(_qualname(derived), _registered(derived, lowering, derived_kernel(derived, op)), "PrivateUse1")
     fb = torch.library.Library("_", "IMPL")
     _libs.append(fb)
     import torchpjrt_autoload

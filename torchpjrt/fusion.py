@@ -49,8 +49,10 @@ import weakref
 from collections import Counter, OrderedDict
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
+from jax._src.lax import lax as lax_internal  # _convert_element_type: the one way to make a value weakly typed
 
 from . import live_programs, placement
 
@@ -363,7 +365,7 @@ def flush(reason: str) -> None:
         elif _worth_compiling(key, len(g.nodes)):
             live_programs.release_if_due()
             stats["cache_misses"] += 1
-            replay = _compiled[key] = _make_replay(g.nodes, g.input_slots, out_slots, g.n_slots)
+            replay = _compiled[key] = _make_replay(g.nodes, g.input_slots, out_slots, g.n_slots, g.inputs)
             if len(_compiled) > cache_size:
                 _compiled.popitem(last=False)
         traced = stats["graphs_compiled"]
@@ -500,14 +502,41 @@ def _run_op_by_op(g, out_slots):
     return [env[s] for s in out_slots]
 
 
-def _make_replay(nodes, input_slots, out_slots, n_slots):
+pack_host_scalars_from = 2  # a graph with fewer host scalars passes them as they are
+
+
+def _make_replay(nodes, input_slots, out_slots, n_slots, inputs):
+    """The graph as one jitted function, called with the graph's inputs. Host scalars among them
+    (a learning rate, an optimizer's per-parameter bias corrections: dozens in a fused optimizer
+    step) reach it packed into one array per dtype: each separate Python number costs the call
+    its own host-to-device transfer. Unpacked, each keeps the dtype and weak type jit gives it
+    (a Python float stays weak: f32 * lr stays f32)."""
     unflatten = jax.tree_util.tree_unflatten
     leaves_of = jax.tree_util.tree_leaves
+    groups = {}  # (dtype, weak) -> input positions
+    for i, x in enumerate(inputs):
+        if not isinstance(x, jax.Array):
+            aval = jnp.asarray(x)
+            if aval.ndim == 0:
+                groups.setdefault((aval.dtype, aval.weak_type), []).append(i)
+    packed = [i for positions in groups.values() for i in positions]
+    if len(packed) < pack_host_scalars_from:
+        groups = {}
+        packed = []
+    direct = [i for i in range(len(inputs)) if i not in set(packed)]
+    layout = [(dtype, weak, positions) for (dtype, weak), positions in groups.items()]
+    n_inputs = len(inputs)
 
-    def replay(*inputs):
+    def replay(*args):
         stats["graphs_compiled"] += 1  # runs when jax traces, i.e. once per new input signature
+        values = [None] * n_inputs
+        for i, v in zip(direct, args):
+            values[i] = v
+        for (dtype, weak, positions), pack in zip(layout, args[len(direct):]):
+            for j, i in enumerate(positions):
+                values[i] = lax_internal._convert_element_type(pack[j], weak_type=True) if weak else pack[j]
         env = [None] * n_slots
-        for slot, v in zip(input_slots, inputs):
+        for slot, v in zip(input_slots, values):
             env[slot] = v
         for fn, treedef, refs, first in nodes:
             result = fn(*unflatten(treedef, [env[r] for r in refs]))
@@ -515,7 +544,15 @@ def _make_replay(nodes, input_slots, out_slots, n_slots):
                 env[first + i] = v
         return [env[s] for s in out_slots]
 
-    return jax.jit(replay)
+    jitted = jax.jit(replay)
+    if not layout:
+        return jitted
+
+    def call(*inputs):
+        return jitted(*[inputs[i] for i in direct],
+                      *[np.array([inputs[i] for i in positions], dtype) for dtype, _, positions in layout])
+
+    return call
 
 
 def pending_ops() -> int:

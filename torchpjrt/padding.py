@@ -592,15 +592,15 @@ _RULES = {
     aten.fill_.Scalar: _pointwise_inplace, aten.fill_.Tensor: _pointwise_inplace, aten.zero_.default: _pointwise_inplace,
 }
 # data-dependent sizes start here: their rules run whether or not a padded storage is alive
-_PRODUCERS = {aten.nonzero.default: _nonzero, aten.index.Tensor: _index, aten.masked_select.default: _masked_select}
+PRODUCERS = {aten.nonzero.default: _nonzero, aten.index.Tensor: _index, aten.masked_select.default: _masked_select}
 
 
 def rule_for(op, lowering):
     """The padding rule of `op` (with its lowering), or None."""
     if not enabled:
         return None
-    if op in _PRODUCERS:
-        return _PRODUCERS[op]
+    if op in PRODUCERS:
+        return PRODUCERS[op]
     if op in _RULES:
         return _RULES[op]
     if lowering is None:
@@ -618,7 +618,7 @@ def rule_for(op, lowering):
 
 def aware(op, kernel, rule, sig):
     """`kernel` with its padding rule: while no padded storage is alive, one comparison."""
-    producer = op in _PRODUCERS
+    producer = op in PRODUCERS
 
     def padded_kernel(*args, **kwargs):
         if not live and not producer:

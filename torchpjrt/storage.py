@@ -31,6 +31,7 @@ _META = torch._C.DispatchKeySet(torch._C.DispatchKey.Meta)
 _set_storage = torch.ops.aten.set_.source_Storage_storage_offset
 _inference_mode_enabled = torch.is_inference_mode_enabled
 _TO_JAX = dtypes.TORCH_TO_JAX
+_TO_TORCH = dtypes.JAX_TO_TORCH
 
 
 class Storage:
@@ -465,7 +466,7 @@ def _writer(base_shape, size, stride, storage_dtype, static_offset=None):
 def wrap(array, dtype: torch.dtype = None) -> torch.Tensor:
     """A new pjrt tensor owning `array`."""
     if dtype is None:
-        dtype = dtypes.to_torch(array.dtype)
+        dtype = _TO_TORCH.get(array.dtype) or dtypes.to_torch(array.dtype)
     t = _create_empty(array.shape, dtype)
     if placement.multi:
         index = placement.index_of(array)
