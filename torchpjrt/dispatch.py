@@ -380,7 +380,12 @@ class LoweredKernel:
                     if t is None:
                         parts.append(None)
                         arrays.append(None)
-                    elif t.device.type != "pjrt":
+                        continue
+                    try:
+                        st = t.untyped_storage()._pjrt
+                    except AttributeError:
+                        if t.device.type == "pjrt":
+                            raise RuntimeError("torchpjrt: this pjrt tensor has no device data (internal error)")
                         if i in self._index_lists and t.dim() > 0:
                             # CPU index tensors are accepted for indexing, as on CUDA
                             parts.append((t.shape, t.dtype))
@@ -389,16 +394,15 @@ class LoweredKernel:
                         h = _host_scalar(t)
                         parts.append(("host", h.dtype))
                         arrays.append(h)
+                        continue
+                    if multi:
+                        on = _op_device(on, t)
+                    shape, dtype = t.shape, t.dtype
+                    parts.append((shape, dtype))
+                    if shape == st.shape and dtype is st.dtype and t.storage_offset() == 0 and t.is_contiguous():
+                        arrays.append(st.array if st.array is not None else st.value())
                     else:
-                        if multi:
-                            on = _op_device(on, t)
-                        shape, dtype = t.shape, t.dtype
-                        parts.append((shape, dtype))
-                        st = t.untyped_storage()._pjrt
-                        if shape == st.shape and dtype is st.dtype and t.storage_offset() == 0 and t.is_contiguous():
-                            arrays.append(st.array if st.array is not None else st.value())
-                        else:
-                            arrays.append(storage.read(t))
+                        arrays.append(storage.read(t))
                 key.append(tuple(parts))
                 dyn.append(arrays)
             elif k == SCALAR_LIST and not self.lowering.static:

@@ -515,10 +515,9 @@ def _make_replay(nodes, input_slots, out_slots, n_slots, inputs):
     leaves_of = jax.tree_util.tree_leaves
     groups = {}  # (dtype, weak) -> input positions
     for i, x in enumerate(inputs):
-        if not isinstance(x, jax.Array):
-            aval = jnp.asarray(x)
-            if aval.ndim == 0:
-                groups.setdefault((aval.dtype, aval.weak_type), []).append(i)
+        if not isinstance(x, jax.Array) and np.ndim(x) == 0:
+            # JAX's rule, without a device computation: Python numbers other than bool are weak
+            groups.setdefault((jnp.result_type(x), type(x) in (int, float, complex)), []).append(i)
     packed = [i for positions in groups.values() for i in positions]
     if len(packed) < pack_host_scalars_from:
         groups = {}
