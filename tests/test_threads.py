@@ -146,3 +146,48 @@ def test_each_thread_writes_its_own_tensors(mode):
         results = run_in_threads(work)
     for i, r in enumerate(results):
         torch.testing.assert_close(r, reference(i))
+
+
+_BACKWARD_THREAD_PROGRAM = """
+import threading, torch, torchpjrt
+x = torch.ones(4, device="pjrt", requires_grad=True)
+seen = []
+y = x * 3.0
+y.register_hook(lambda g: seen.append(threading.get_ident() == threading.main_thread().ident))
+(y * y).sum().backward()
+print(seen[0], x.grad.cpu().tolist())
+"""
+
+
+@pytest.mark.slow  # fresh processes
+@pytest.mark.parametrize("setting, on_main", [(None, True), ("device", False)])
+def test_backward_runs_on_the_calling_thread_unless_asked_otherwise(setting, on_main):
+    """By default the loading thread's backward runs where it is called (no hand-off to the
+    autograd engine's device worker); TORCHPJRT_BACKWARD_THREAD=device keeps the worker. The
+    gradients are the same either way."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env.pop("TORCHPJRT_BACKWARD_THREAD", None)
+    if setting is not None:
+        env["TORCHPJRT_BACKWARD_THREAD"] = setting
+    out = subprocess.run([sys.executable, "-c", _BACKWARD_THREAD_PROGRAM], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[0] == str(on_main)
+    assert "[18.0, 18.0, 18.0, 18.0]" in out.stdout
+
+
+@pytest.mark.slow  # a fresh process
+def test_an_unknown_backward_thread_setting_is_refused():
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TORCHPJRT_BACKWARD_THREAD="gpu")
+    out = subprocess.run([sys.executable, "-c", "import torch, torchpjrt"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode != 0
+    assert "TORCHPJRT_BACKWARD_THREAD='gpu'" in out.stderr and "'caller' or 'device'" in out.stderr
