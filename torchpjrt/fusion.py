@@ -518,11 +518,11 @@ def _make_replay(nodes, input_slots, out_slots, n_slots, inputs):
         if not isinstance(x, jax.Array) and np.ndim(x) == 0:
             # JAX's rule, without a device computation: Python numbers other than bool are weak
             groups.setdefault((jnp.result_type(x), type(x) in (int, float, complex)), []).append(i)
-    packed = [i for positions in groups.values() for i in positions]
+    packed = {i for positions in groups.values() for i in positions}
     if len(packed) < pack_host_scalars_from:
         groups = {}
-        packed = []
-    direct = [i for i in range(len(inputs)) if i not in set(packed)]
+        packed = set()
+    direct = [i for i in range(len(inputs)) if i not in packed]
     layout = [(dtype, weak, positions) for (dtype, weak), positions in groups.items()]
     n_inputs = len(inputs)
 

@@ -222,8 +222,8 @@ def _last_along_fn(dims):
     return jax.jit(lambda x: x[index])
 
 
-# set once anything is placed over a mesh (distributed.spmd, collectives, a sharded jax.Array
-# taken in): until then whole-storage writes skip the placement check below
+# set once anything can be placed over a mesh (distributed.spmd loaded, a sharded jax.Array taken
+# in by from_jax): until then whole-storage writes skip the placement check below
 mesh_placements = False
 
 
