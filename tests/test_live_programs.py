@@ -42,8 +42,9 @@ def test_many_shapes_release_programs_and_keep_results(monkeypatch, each_eager_m
         if n % 5 == 0:
             peak = max(peak, _mappings())
     assert live_programs.stats["releases"] > before
-    # checked every 8 programs: the count can pass the cap by those programs' mappings
-    assert peak < base + 300 + 8 * 8
+    # checked every 8 programs: the count can pass the cap by those programs' mappings (a fused
+    # graph's program maps about 12, an eager kernel's fewer)
+    assert peak < base + 300 + 8 * 16
     # kernels used before a release still run after it (reloaded or recompiled)
     for n in (first, first + 7, first + 59):
         got, want = _step(n)
