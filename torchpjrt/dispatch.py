@@ -382,7 +382,7 @@ class LoweredKernel:
                         arrays.append(None)
                         continue
                     try:
-                        st = t.untyped_storage()._pjrt
+                        t.untyped_storage()._pjrt  # a host tensor's storage has none
                     except AttributeError:
                         if t.device.type == "pjrt":
                             raise RuntimeError("torchpjrt: this pjrt tensor has no device data (internal error)")
@@ -397,12 +397,8 @@ class LoweredKernel:
                         continue
                     if multi:
                         on = _op_device(on, t)
-                    shape, dtype = t.shape, t.dtype
-                    parts.append((shape, dtype))
-                    if shape == st.shape and dtype is st.dtype and t.storage_offset() == 0 and t.is_contiguous():
-                        arrays.append(st.array if st.array is not None else st.value())
-                    else:
-                        arrays.append(storage.read(t))
+                    parts.append((t.shape, t.dtype))
+                    arrays.append(storage.read(t))
                 key.append(tuple(parts))
                 dyn.append(arrays)
             elif k == SCALAR_LIST and not self.lowering.static:

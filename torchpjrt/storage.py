@@ -30,8 +30,6 @@ _create_empty = torch._C._acc.create_empty_tensor
 _META = torch._C.DispatchKeySet(torch._C.DispatchKey.Meta)
 _set_storage = torch.ops.aten.set_.source_Storage_storage_offset
 _inference_mode_enabled = torch.is_inference_mode_enabled
-_TO_JAX = dtypes.TORCH_TO_JAX
-_TO_TORCH = dtypes.JAX_TO_TORCH
 
 
 class Storage:
@@ -65,9 +63,7 @@ class Storage:
         return self.array
 
     def replace(self, array):
-        self.array = array
-        if type(array) is fusion.Pending:
-            fusion.track(self)  # swapped for the computed array when the graph runs
+        self._hold(array)
         shape = array.shape
         if shape != self.shape:
             self.shape = tuple(shape)
@@ -183,19 +179,16 @@ def write(t: torch.Tensor, value, allow_overlap=False) -> None:
     `allow_overlap` (fill_, index_put_): then the last of the values for one location stays,
     as with CPU's sequential writes."""
     st = t.untyped_storage()._pjrt
-    dtype = t.dtype
-    jdtype = _TO_JAX.get(dtype) or dtypes.to_jax(dtype)
+    jdtype = dtypes.to_jax(t.dtype)
     if value.dtype != jdtype:
         value = _cast(value, jdtype)
-    shape = t.shape
-    if dtype is st.dtype and shape == st.shape and t.storage_offset() == 0 and t.is_contiguous():
+    shape = tuple(t.shape)
+    if tuple(value.shape) != shape:
+        value = _broadcast(value, shape)
+    if t.dtype is st.dtype and shape == st.shape and t.storage_offset() == 0 and t.is_contiguous():
         # the whole storage (every in-place op on a plain tensor, each of a foreach op's tensors)
-        if value.shape != st.shape:
-            value = _broadcast(value, st.shape)
         st.replace(_keep_mesh_placement(st.array, value) if mesh_placements else value)
         return
-    if tuple(value.shape) != tuple(shape):
-        value = _broadcast(value, tuple(shape))
     if t.numel() == 0:
         return
     size, stride = tuple(t.shape), t.stride()
@@ -466,7 +459,7 @@ def _writer(base_shape, size, stride, storage_dtype, static_offset=None):
 def wrap(array, dtype: torch.dtype = None) -> torch.Tensor:
     """A new pjrt tensor owning `array`."""
     if dtype is None:
-        dtype = _TO_TORCH.get(array.dtype) or dtypes.to_torch(array.dtype)
+        dtype = dtypes.to_torch(array.dtype)
     t = _create_empty(array.shape, dtype)
     if placement.multi:
         index = placement.index_of(array)
