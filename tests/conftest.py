@@ -1,10 +1,26 @@
+import importlib.util
 import os
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-import torchpjrt  # noqa: F401  (registers the pjrt device)
+
+def _build_compiled_helper():
+    """The compiled helper (native views, strict mode's hot path) is registered when torchpjrt
+    loads, if it is built by then (a machine's first process builds it in the background). It is
+    built first here, so that the suite runs what a user's later processes run: native.py is
+    loaded on its own (importing the package would load torchpjrt before the build)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "torchpjrt", "native.py")
+    spec = importlib.util.spec_from_file_location("_torchpjrt_native_build", path)
+    native = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(native)
+    native.library()
+
+
+_build_compiled_helper()
+
+import torchpjrt  # noqa: E402,F401  (registers the pjrt device)
 
 DEV = "pjrt"
 

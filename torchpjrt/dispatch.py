@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch._ops import OpOverload
 
-from . import device_checks, dtypes, eager, fusion, kernel_cache, live_programs, native, padding, placement, random_state, storage
+from . import device_checks, dtypes, eager, fusion, hot_path, kernel_cache, live_programs, native, padding, placement, random_state, storage
 from .ops import TABLE, Lowering
 
 aten = torch.ops.aten
@@ -760,6 +760,7 @@ def make_functional_kernel(op, lowering):
                 outs, key = k.compute_keyed(vals)
                 strides = k.strides_for(key)
                 if strides is None:
+                    hot_path.last_call = (k, key)  # a plain call: the hot kernel may replay it
                     return storage.wrap(outs[0])
                 return storage.wrap_laid_out(outs[0], None, strides[0])
 
@@ -1650,6 +1651,7 @@ def register():
         lib.impl(name, _registered(op, None, fn), "PrivateUse1")
     for op in _inplace_view_ops():
         lib.impl(_qualname(op), _instrumented(op, _bound(inplace_view_kernel, op)), "PrivateUse1")
+    hot = hot_path.start()
     for op, lowering in TABLE.items():
         if not lowering.eager or _qualname(op) in SPECIAL_KERNELS:
             continue
@@ -1657,7 +1659,14 @@ def register():
             # a backend kernel would shadow the decomposition that carries autograd;
             # such lowerings serve the graph paths only
             continue
-        lib.impl(_qualname(op), _registered(op, lowering, make_functional_kernel(op, lowering)), "PrivateUse1")
+        kernel = _registered(op, lowering, make_functional_kernel(op, lowering))
+        sig = signature(op)
+        code = hot_path.codes(op, lowering, sig, _kinds(sig, lowering), _ARGUMENT_CHECKS.get(op, (None,))[0] is not None) \
+            if hot is not None else None
+        if code is None:
+            lib.impl(_qualname(op), kernel, "PrivateUse1")
+        else:
+            hot_path.register(_qualname(op), code, kernel)  # the C++ kernel calls `kernel` for what it does not serve
         for derived in derived_overloads(op):
             if _qualname(derived) in SPECIAL_KERNELS or _is_composite_implicit(derived):
                 continue

@@ -104,12 +104,12 @@ def eager_mode(mode: str, **options):
 
 def eager_stats() -> dict:
     """Ops dispatched, graphs compiled, cache hits/misses, compile seconds, flush reasons."""
-    from . import dispatch
+    from . import dispatch, hot_path
 
     s = fusion.stats
     return {
         "mode": _mode,
-        "ops_dispatched": dispatch.stats["lowered"],
+        "ops_dispatched": dispatch.stats["lowered"] + hot_path.calls(),
         "ops_recorded": s["ops_recorded"],
         "ops_pending": fusion.pending_ops(),
         "graphs_compiled": s["graphs_compiled"],

@@ -5,6 +5,8 @@ with ctypes.
   can only say "one device, index 0").
 - csrc/views.cpp: CPU's own kernels for the view ops that reach the device (as_strided, view,
   _reshape_alias), in place of a trip into Python per view.
+- csrc/hot_ops.cpp: strict mode's hot path for functional ops with one result (hot_path.py);
+  built only where Python's headers are installed.
 
 It is built, not shipped: a wheel would tie it to one PyTorch build. The build takes a few
 seconds once per PyTorch and source version and is kept under $XDG_CACHE_HOME/torchpjrt/native.
@@ -28,9 +30,14 @@ import time
 
 import torch
 
-_SOURCES = sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "*.cpp")))
+_PYTHON_INCLUDE = sysconfig.get_paths()["include"]
+_PYTHON_HEADERS = os.path.exists(os.path.join(_PYTHON_INCLUDE, "Python.h"))
+# the hot path calls into Python: without Python's headers the helper is built without it
+_SOURCES = sorted(path for path in glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "*.cpp"))
+                  if _PYTHON_HEADERS or not path.endswith("hot_ops.cpp"))
 _lock = threading.Lock()
 _library = None
+_library_path = None
 _failure = None  # why the helper could not be built or loaded
 _building = None  # (target, the compiler's process or None for another process's) of a build under way
 _BUILD_SECONDS_MAX = 300  # a lock file older than this was left by a build that died
@@ -75,7 +82,9 @@ def _spawn_build(target: str):
     compile_command = [compiler, "-O2", "-std=c++20", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
                        "-I", os.path.join(torch_dir, "include"),
                        "-I", os.path.join(torch_dir, "include", "torch", "csrc", "api", "include"),
-                       *_SOURCES, "-L", lib_dir, "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib_dir}"]
+                       *(["-I", _PYTHON_INCLUDE] if _PYTHON_HEADERS else []),
+                       *_SOURCES, "-L", lib_dir, "-lc10", "-ltorch_cpu",
+                       *(["-ltorch_python"] if _PYTHON_HEADERS else []), f"-Wl,-rpath,{lib_dir}"]
     script = 'tmp=$1; target=$2; lock=$3; shift 3; "$@" -o "$tmp" && mv -f "$tmp" "$target"; ' \
              'status=$?; rm -f "$tmp" "$lock"; exit $status'
     # at the lowest priority: the process that started it goes on with its own work meanwhile
@@ -144,7 +153,7 @@ def _load(path: str):
 def _settle(wait: bool):
     """Load the helper, building it first if needed: in the background when `wait` is false
     (then None until a later call finds the build done)."""
-    global _library, _failure, _building
+    global _library, _library_path, _failure, _building
     with _lock:
         if _library is not None or _failure is not None:
             return _library
@@ -171,6 +180,7 @@ def _settle(wait: bool):
                         return None
                     _building = None
             _library = _load(target)
+            _library_path = target
         except Exception as e:  # noqa: BLE001 - any failure leaves the package on its Python kernels
             _building = None
             _failure = f"{type(e).__name__}: {e}"
@@ -204,6 +214,11 @@ def library():
     if _library is not None or _failure is not None:
         return _library
     return _settle(wait=True)
+
+
+def loaded_path():
+    """The file the loaded helper came from (None until it is loaded)."""
+    return _library_path
 
 
 def failure():

@@ -1,0 +1,534 @@
+// Strict mode's hot path: functional ops with one tensor result, called again with a signature
+// the Python kernel has already run.
+//
+// torchpjrt's Python kernel for such an op normalizes the arguments, builds a signature key,
+// looks up the op's compiled program, calls it and wraps its array as a new tensor. Past the
+// program's own call (what raw jax.jit pays too), the trip into Python and those steps cost
+// about twice the call on the CPU platform. Registered for PrivateUse1 in place of the Python
+// kernel, this kernel does the same from C++ for the calls it recognizes: whole, contiguous pjrt
+// tensors whose storage holds a computed jax.Array, numbers and static arguments. It keys the
+// call by those, and on a key the Python kernel has already served (and reported as plain) it
+// calls the same compiled program with the same arguments and wraps the result as the Python
+// kernel does (a storage object holding the array, an address of its own). Everything else
+// goes to the Python kernel: a first call, another eager mode, padded storages, several devices,
+// views and host tensors. So results are the Python kernel's, call for call.
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/StorageImpl.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/Storage.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/tensor_memoryformats.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace torch::jit {
+py::object toPyObject(c10::IValue ivalue);  // torch_python's own conversion (pybind_utils.h)
+}
+
+namespace {
+
+// What the Python side tells this kernel once (torchpjrt_hot_configure).
+struct Config {
+  PyObject* storage_class = nullptr;  // torchpjrt.storage.Storage(array, dtype)
+  PyObject* array_type = nullptr;     // jax's concrete array type: anything else is not computed yet
+  PyObject* stash_module = nullptr;   // holds `last_call`, set by a plain Python kernel call
+  PyObject* take_entry = nullptr;     // () -> the program of the call just made, or None
+  std::vector<std::pair<PyObject*, PyObject*>> off_when;  // (module dict, name): true -> Python kernel
+  PyObject* name_pjrt = nullptr;
+  PyObject* name_array = nullptr;
+  PyObject* name_shape = nullptr;
+  PyObject* name_dtype = nullptr;
+  PyObject* name_last_call = nullptr;
+  c10::Allocator* allocator = nullptr;  // the one PyTorch's Python backend gives its storages
+};
+
+Config* config = nullptr;
+// addresses of their own for the storages made here: a range the Python side (from 2**60 up)
+// will never reach, handed out the same way (256-byte aligned, never reused)
+std::atomic<uint64_t> next_address{(uint64_t{1} << 60) + (uint64_t{1} << 58)};
+std::atomic<int64_t> calls{0};
+std::unique_ptr<torch::Library> registration;
+
+constexpr int64_t kNone = -1, kBool = -2, kOne = -3, kDynInt = -4, kOneFloat = -5, kDynFloat = -6, kInt = -7,
+                  kFloat = -8, kIntList = -9, kString = -10, kTensor = -11;
+
+struct Entry {
+  PyObject* program;      // the compiled function the Python kernel called for this key
+  c10::ScalarType dtype;  // of the result
+  PyObject* dtype_object; // torch.dtype of the result, as the storage object records it
+  std::vector<int64_t> sizes;
+  int64_t nbytes;
+};
+
+struct KeyHash {
+  size_t operator()(const std::vector<int64_t>& key) const {
+    uint64_t h = 1469598103934665603ull;
+    for (int64_t w : key) {
+      h ^= static_cast<uint64_t>(w);
+      h *= 1099511628211ull;
+    }
+    return h;
+  }
+};
+
+int64_t bits_of(double d) {
+  int64_t b;
+  std::memcpy(&b, &d, sizeof b);
+  return b;
+}
+
+struct GilHeld {
+  PyGILState_STATE state = PyGILState_Ensure();
+  ~GilHeld() { PyGILState_Release(state); }
+};
+
+// Owned references to the arguments of one program call.
+struct Arguments {
+  PyObject* items[32];
+  int n = 0;
+  bool push(PyObject* o) {
+    if (o == nullptr || n == 32) {
+      Py_XDECREF(o);
+      return false;
+    }
+    items[n++] = o;
+    return true;
+  }
+  ~Arguments() {
+    for (int i = 0; i < n; i++) Py_DECREF(items[i]);
+  }
+};
+
+bool python_path_wanted() {
+  for (auto& [dict, name] : config->off_when) {
+    PyObject* v = PyDict_GetItemWithError(dict, name);  // borrowed
+    if (v == nullptr) {
+      PyErr_Clear();
+      return true;
+    }
+    if (v != Py_False && v != Py_None && !(PyLong_CheckExact(v) && PyLong_AsLongLong(v) == 0)) return true;
+  }
+  return false;
+}
+
+// The array of a whole, contiguous pjrt tensor whose storage holds a computed jax.Array (a new
+// reference), or nullptr (no Python error left set).
+PyObject* whole_array(const at::Tensor& t) {
+  if (t.device().type() != c10::DeviceType::PrivateUse1 || t.storage_offset() != 0 || !t.is_contiguous())
+    return nullptr;
+  PyObject* py_storage = THPStorage_Wrap(t.storage());
+  if (py_storage == nullptr) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  PyObject* st = PyObject_GetAttr(py_storage, config->name_pjrt);
+  Py_DECREF(py_storage);
+  if (st == nullptr) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  PyObject* array = PyObject_GetAttr(st, config->name_array);
+  PyObject* shape = PyObject_GetAttr(st, config->name_shape);
+  PyObject* dtype = PyObject_GetAttr(st, config->name_dtype);
+  Py_DECREF(st);
+  bool ok = array != nullptr && shape != nullptr && dtype != nullptr &&
+            reinterpret_cast<PyObject*>(Py_TYPE(array)) == config->array_type &&
+            dtype == reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type())) && PyTuple_Check(shape) &&
+            PyTuple_GET_SIZE(shape) == t.dim();
+  if (ok) {
+    auto sizes = t.sizes();
+    for (int64_t d = 0; d < t.dim() && ok; d++) {
+      PyObject* s = PyTuple_GET_ITEM(shape, d);
+      ok = PyLong_CheckExact(s) && PyLong_AsLongLong(s) == sizes[d];
+    }
+  }
+  Py_XDECREF(shape);
+  Py_XDECREF(dtype);
+  if (!ok) {
+    PyErr_Clear();
+    Py_XDECREF(array);
+    return nullptr;
+  }
+  return array;
+}
+
+// A number argument the Python kernel treats as static when it is None, a bool or the int 1
+// (dispatch.scalar_is_static), traced otherwise.
+bool number(const c10::IValue& v, std::vector<int64_t>& key, Arguments& dyn) {
+  if (v.isNone()) {
+    key.push_back(kNone);
+  } else if (v.isBool()) {
+    key.push_back(kBool);
+    key.push_back(v.toBool());
+  } else if (v.isInt()) {
+    int64_t i = v.toInt();
+    if (i == 1) {
+      key.push_back(kOne);
+    } else {
+      key.push_back(kDynInt);
+      return dyn.push(PyLong_FromLongLong(i));
+    }
+  } else if (v.isDouble()) {
+    key.push_back(kDynFloat);
+    return dyn.push(PyFloat_FromDouble(v.toDouble()));
+  } else {
+    return false;
+  }
+  return true;
+}
+
+bool static_value(const c10::IValue& v, std::vector<int64_t>& key) {
+  if (v.isNone()) {
+    key.push_back(kNone);
+  } else if (v.isBool()) {
+    key.push_back(kBool);
+    key.push_back(v.toBool());
+  } else if (v.isInt()) {
+    key.push_back(kInt);
+    key.push_back(v.toInt());
+  } else if (v.isDouble()) {
+    key.push_back(kFloat);
+    key.push_back(bits_of(v.toDouble()));
+  } else if (v.isIntList()) {
+    auto list = v.toIntList();
+    key.push_back(kIntList);
+    key.push_back(static_cast<int64_t>(list.size()));
+    for (int64_t x : list) key.push_back(x);
+  } else if (v.isString()) {
+    const std::string& s = v.toStringRef();
+    key.push_back(kString);
+    key.push_back(static_cast<int64_t>(s.size()));
+    for (size_t i = 0; i < s.size(); i += 8) {
+      int64_t w = 0;
+      std::memcpy(&w, s.data() + i, std::min<size_t>(8, s.size() - i));
+      key.push_back(w);
+    }
+  } else {
+    return false;
+  }
+  return true;
+}
+
+class HotKernel final : public c10::OperatorKernel {
+ public:
+  // codes: per schema argument, 't' tensor, 'n' number (traced unless None/bool/1), 'N' number
+  // the lowering wants static, 's' static argument.
+  HotKernel(std::string codes, PyObject* python_kernel) : codes_(std::move(codes)), python_kernel_(python_kernel) {
+    Py_INCREF(python_kernel_);
+  }
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+    GilHeld gil;
+    const size_t n = codes_.size();
+    auto args = torch::jit::last(*stack, n);
+    std::vector<int64_t> key;
+    key.reserve(24);
+    Arguments dyn;
+    bool keyed = !python_path_wanted() && make_key(args, key, dyn);
+    if (keyed) {
+      auto it = table_.find(key);
+      if (it != table_.end()) {
+        at::Tensor out = run(it->second, dyn);
+        if (out.defined()) {
+          calls.fetch_add(1, std::memory_order_relaxed);
+          torch::jit::drop(*stack, n);
+          stack->emplace_back(std::move(out));
+          return;
+        }
+      }
+    }
+    if (keyed && PyObject_SetAttr(config->stash_module, config->name_last_call, Py_None) != 0) PyErr_Clear();
+    at::Tensor out = call_python(op, args);
+    if (keyed) learn(std::move(key), out);
+    torch::jit::drop(*stack, n);
+    stack->emplace_back(std::move(out));
+  }
+
+ private:
+  bool make_key(c10::ArrayRef<c10::IValue> args, std::vector<int64_t>& key, Arguments& dyn) {
+    for (size_t i = 0; i < codes_.size(); i++) {
+      const c10::IValue& v = args[i];
+      switch (codes_[i]) {
+        case 't': {
+          if (v.isNone()) {
+            key.push_back(kNone);
+            continue;
+          }
+          if (!v.isTensor()) return false;
+          const at::Tensor& t = v.toTensor();
+          if (!t.defined()) {  // an optional tensor left out, as some callers pass it
+            key.push_back(kNone);
+            continue;
+          }
+          if (t.unsafeGetTensorImpl()->is_wrapped_number()) {
+            // `x + 2`: the Python kernel sees a Python number; static when a bool or 1
+            auto s = t.item();
+            if (s.isBoolean()) {
+              key.push_back(kBool);
+              key.push_back(s.toBool());
+            } else if (s.isIntegral(false)) {
+              int64_t i = s.toLong();
+              if (i == 1) {
+                key.push_back(kOne);
+              } else {
+                key.push_back(kDynInt);
+                if (!dyn.push(PyLong_FromLongLong(i))) return false;
+              }
+            } else if (s.isFloatingPoint()) {
+              double d = s.toDouble();
+              if (d == 1.0) {
+                key.push_back(kOneFloat);
+              } else {
+                key.push_back(kDynFloat);
+                if (!dyn.push(PyFloat_FromDouble(d))) return false;
+              }
+            } else {
+              return false;
+            }
+            continue;
+          }
+          if (!dyn.push(whole_array(t))) return false;
+          key.push_back(kTensor);
+          key.push_back(static_cast<int64_t>(t.scalar_type()));
+          key.push_back(t.dim());
+          for (int64_t s : t.sizes()) key.push_back(s);
+          break;
+        }
+        case 'n':
+          if (!number(v, key, dyn)) return false;
+          break;
+        case 'N':
+        case 's':
+          if (!static_value(v, key)) return false;
+          break;
+        default:
+          return false;
+      }
+    }
+    return true;
+  }
+
+  // The program's result as a new pjrt tensor, or an undefined tensor when anything is not as
+  // the Python kernel left it (the Python kernel then runs the call and says why).
+  at::Tensor run(const Entry& e, Arguments& dyn) {
+    PyObject* result = PyObject_Vectorcall(e.program, dyn.items, dyn.n, nullptr);
+    if (result == nullptr) {
+      PyErr_Clear();
+      return at::Tensor();
+    }
+    PyObject* array = PyTuple_Check(result) && PyTuple_GET_SIZE(result) >= 1 ? PyTuple_GET_ITEM(result, 0) : nullptr;
+    if (array == nullptr || reinterpret_cast<PyObject*>(Py_TYPE(array)) != config->array_type) {
+      Py_DECREF(result);
+      return at::Tensor();
+    }
+    PyObject* new_args[2] = {array, e.dtype_object};
+    PyObject* st = PyObject_Vectorcall(config->storage_class, new_args, 2, nullptr);
+    Py_DECREF(result);
+    if (st == nullptr) {
+      PyErr_Clear();
+      return at::Tensor();
+    }
+    uint64_t address = 0;
+    if (e.nbytes) address = next_address.fetch_add((static_cast<uint64_t>(e.nbytes) + 255) / 256 * 256);
+    c10::Storage storage(c10::make_intrusive<c10::StorageImpl>(
+        c10::StorageImpl::use_byte_size_t(), e.nbytes,
+        c10::DataPtr(reinterpret_cast<void*>(address), c10::Device(c10::DeviceType::PrivateUse1, 0)),
+        config->allocator, /*resizable=*/config->allocator != nullptr));
+    at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage),
+                                                            c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                                            caffe2::TypeMeta::fromScalarType(e.dtype));
+    t.unsafeGetTensorImpl()->set_sizes_contiguous(e.sizes);
+    PyObject* py_storage = THPStorage_Wrap(t.storage());
+    bool ok = py_storage != nullptr && PyObject_SetAttr(py_storage, config->name_pjrt, st) == 0;
+    Py_XDECREF(py_storage);
+    Py_DECREF(st);
+    if (!ok) {
+      PyErr_Clear();
+      return at::Tensor();
+    }
+    return t;
+  }
+
+  // After a Python kernel call made with `key`: remember its program when it reported the call
+  // as plain (dispatch's single-result kernel, row-major result) and the result is as run() makes.
+  void learn(std::vector<int64_t> key, const at::Tensor& out) {
+    PyObject* program = PyObject_CallNoArgs(config->take_entry);
+    if (program == nullptr) {
+      PyErr_Clear();
+      return;
+    }
+    if (program == Py_None || !out.defined() || out.device().type() != c10::DeviceType::PrivateUse1 ||
+        out.device().index() > 0 || !out.is_contiguous() || out.storage_offset() != 0 ||
+        out.storage().nbytes() != static_cast<size_t>(out.numel()) * out.element_size()) {
+      Py_DECREF(program);
+      return;
+    }
+    PyObject* dtype_object = reinterpret_cast<PyObject*>(torch::getTHPDtype(out.scalar_type()));
+    Py_INCREF(dtype_object);
+    table_.emplace(std::move(key), Entry{program, out.scalar_type(), dtype_object, out.sizes().vec(),
+                                         static_cast<int64_t>(out.numel()) * static_cast<int64_t>(out.element_size())});
+  }
+
+  static PyObject* to_python(const c10::Argument& arg, const c10::IValue& v) {
+    if (v.isNone()) Py_RETURN_NONE;
+    c10::TypePtr type = arg.real_type();
+    if (auto optional = type->castRaw<c10::OptionalType>()) type = optional->getElementType();
+    if (type->kind() == c10::ScalarTypeType::Kind) {
+      PyObject* o = reinterpret_cast<PyObject*>(torch::getTHPDtype(v.toScalarType()));
+      Py_INCREF(o);
+      return o;
+    }
+    if (type->kind() == c10::LayoutType::Kind) {
+      PyObject* o = reinterpret_cast<PyObject*>(torch::getTHPLayout(v.toLayout()));
+      Py_INCREF(o);
+      return o;
+    }
+    if (type->kind() == c10::MemoryFormatType::Kind) {
+      PyObject* o = torch::utils::getTHPMemoryFormat(v.toMemoryFormat());
+      Py_INCREF(o);
+      return o;
+    }
+    return torch::jit::toPyObject(v).release().ptr();
+  }
+
+  // The Python kernel, called as the dispatcher calls a Python kernel: positional arguments,
+  // keyword-only ones by name, numbers wrapped as tensors (`x + 2`) as Python numbers.
+  at::Tensor call_python(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) {
+    const auto& schema = op.schema();
+    PyObject* positional = PyList_New(0);
+    PyObject* keywords = PyDict_New();
+    PyObject* result = nullptr;
+    bool ok = positional != nullptr && keywords != nullptr;
+    try {
+      for (size_t i = 0; ok && i < args.size(); i++) {
+        const c10::Argument& arg = schema.arguments()[i];
+        PyObject* o = to_python(arg, args[i]);
+        if (o == nullptr) {
+          ok = false;
+        } else if (arg.kwarg_only()) {
+          ok = PyDict_SetItemString(keywords, arg.name().c_str(), o) == 0;
+          Py_DECREF(o);
+        } else {
+          ok = PyList_Append(positional, o) == 0;
+          Py_DECREF(o);
+        }
+      }
+    } catch (py::error_already_set& e) {
+      e.restore();
+      ok = false;
+    }
+    if (ok) {
+      PyObject* tuple = PyList_AsTuple(positional);
+      if (tuple != nullptr) {
+        result = PyObject_Call(python_kernel_, tuple, keywords);
+        Py_DECREF(tuple);
+      }
+    }
+    Py_XDECREF(positional);
+    Py_XDECREF(keywords);
+    if (result == nullptr) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "torchpjrt: converting an op's arguments failed");
+      python_error err;
+      err.persist();
+      throw err;
+    }
+    if (!THPVariable_Check(result)) {
+      Py_DECREF(result);
+      PyErr_Format(PyExc_TypeError, "torchpjrt: the kernel of %s returned something other than a tensor",
+                   schema.name().c_str());
+      python_error err;
+      err.persist();
+      throw err;
+    }
+    at::Tensor out = THPVariable_Unpack(result);
+    Py_DECREF(result);
+    return out;
+  }
+
+  std::string codes_;
+  PyObject* python_kernel_;
+  std::unordered_map<std::vector<int64_t>, Entry, KeyHash> table_;  // touched with the GIL held
+};
+
+}  // namespace
+
+extern "C" {
+
+// storage_class, array_type, stash_module, take_entry: see Config; off_when: a list of
+// (module, attribute name) pairs, any of them true sends every call to the Python kernel;
+// model: a pjrt tensor as the Python backend makes them (its storage's allocator is taken).
+// Returns 0, or -1 with a Python error set.
+int torchpjrt_hot_configure(PyObject* storage_class, PyObject* array_type, PyObject* stash_module,
+                            PyObject* take_entry, PyObject* off_when, PyObject* model) {
+  if (!THPVariable_Check(model)) {
+    PyErr_SetString(PyExc_TypeError, "model must be a tensor");
+    return -1;
+  }
+  auto c = std::make_unique<Config>();
+  c->allocator = THPVariable_Unpack(model).storage().allocator();
+  c->storage_class = storage_class;
+  c->array_type = array_type;
+  c->stash_module = stash_module;
+  c->take_entry = take_entry;
+  for (PyObject* o : {storage_class, array_type, stash_module, take_entry}) Py_INCREF(o);
+  PyObject* seq = PySequence_Fast(off_when, "off_when must be a sequence");
+  if (seq == nullptr) return -1;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+    PyObject* module = nullptr;
+    PyObject* name = nullptr;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "OU", &module, &name)) {
+      Py_DECREF(seq);
+      return -1;
+    }
+    PyObject* dict = PyObject_GenericGetDict(module, nullptr);
+    if (dict == nullptr) {
+      Py_DECREF(seq);
+      return -1;
+    }
+    Py_INCREF(name);
+    c->off_when.emplace_back(dict, name);
+  }
+  Py_DECREF(seq);
+  c->name_pjrt = PyUnicode_InternFromString("_pjrt");
+  c->name_array = PyUnicode_InternFromString("array");
+  c->name_shape = PyUnicode_InternFromString("shape");
+  c->name_dtype = PyUnicode_InternFromString("dtype");
+  c->name_last_call = PyUnicode_InternFromString("last_call");
+  config = c.release();
+  return 0;
+}
+
+// Register the hot kernel for aten::`name` ("add.Tensor") at PrivateUse1, with `python_kernel`
+// for every call it does not serve. Returns 0, or -1 with a Python error set.
+int torchpjrt_hot_register(const char* name, const char* codes, PyObject* python_kernel) {
+  if (config == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "torchpjrt_hot_configure was not called");
+    return -1;
+  }
+  try {
+    if (!registration)
+      registration = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1,
+                                                      __FILE__, __LINE__);
+    registration->impl(name, torch::CppFunction::makeFromBoxedFunctor(
+                                 std::make_unique<HotKernel>(codes, python_kernel)));
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return -1;
+  }
+  return 0;
+}
+
+// Calls served here since the last reset (counted with the Python kernels' dispatches).
+long long torchpjrt_hot_calls(int reset) {
+  return reset ? calls.exchange(0) : calls.load();
+}
+
+}  // extern "C"

@@ -1,0 +1,111 @@
+"""Strict mode's hot path: the compiled helper's kernel (csrc/hot_ops.cpp) for functional ops
+with one tensor result, registered in place of their Python kernels.
+
+The C++ kernel keys each call by its arguments (whole contiguous pjrt tensors, numbers, static
+arguments) and, for a key the Python kernel has already served, calls the same compiled program
+and wraps its array as storage.wrap does. A call it cannot key (views, host tensors, a storage
+not computed yet), a new key, and every call while another eager mode, a padded storage or a
+second device is in use, runs the Python kernel. The Python kernel tells it which program a
+call used (`last_call`, read by `take_entry`) only for plain calls: a row-major result from
+the single-result kernel.
+
+It is registered when torchpjrt registers its kernels and the helper is already built (the
+first process on a machine builds it in the background and runs the Python kernels);
+TORCHPJRT_NATIVE_OPS=off keeps the Python kernels.
+"""
+
+import ctypes
+import os
+
+import torch
+from jax._src.array import ArrayImpl
+
+from . import eager, fusion, native, padding, placement, storage
+
+last_call = None  # (LoweredKernel, key) of the latest plain single-result call (dispatch)
+
+# schema argument types the C++ kernel can key or hand back to Python
+_TYPES = {"Tensor", "Optional[Tensor]", "number", "Optional[number]", "int", "Optional[int]", "List[int]",
+          "Optional[List[int]]", "float", "Optional[float]", "bool", "Optional[bool]", "str", "Optional[str]",
+          "Optional[ScalarType]", "ScalarType"}
+
+_library = None  # the helper, opened so that its calls keep the GIL (ctypes.PyDLL)
+
+
+def take_entry():
+    """The compiled program of the call that just ran, when it was plain; None otherwise."""
+    global last_call
+    call, last_call = last_call, None
+    if call is None:
+        return None
+    kernel, key = call
+    if kernel.strides_for(key) is not None:
+        return None
+    return kernel.cache.get(key)
+
+
+def wanted() -> bool:
+    return os.environ.get("TORCHPJRT_NATIVE_OPS", "on").strip().lower() not in ("0", "off", "false")
+
+
+def start():
+    """The helper, configured for hot kernels, when it is built already and has them; else None."""
+    global _library
+    if _library is not None:
+        return _library
+    if not wanted() or not storage.storage_words_known():
+        return None
+    lib = native.start()
+    path = native.loaded_path()
+    if lib is None or path is None or not hasattr(lib, "torchpjrt_hot_register"):
+        return None
+    py = ctypes.PyDLL(path)
+    py.torchpjrt_hot_configure.argtypes = [ctypes.py_object] * 6
+    py.torchpjrt_hot_configure.restype = ctypes.c_int
+    py.torchpjrt_hot_register.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.py_object]
+    py.torchpjrt_hot_register.restype = ctypes.c_int
+    py.torchpjrt_hot_calls.argtypes = [ctypes.c_int]
+    py.torchpjrt_hot_calls.restype = ctypes.c_longlong
+    import sys
+
+    off_when = [(eager, "debug_enabled"), (padding, "live"), (placement, "multi"), (fusion, "_recording")]
+    model = storage._create_empty((0,), torch.float32)
+    py.torchpjrt_hot_configure(storage.Storage, ArrayImpl, sys.modules[__name__], take_entry, off_when, model)
+    _library = py
+    return py
+
+
+def codes(op, lowering, sig, kinds, has_call_check) -> str | None:
+    """The C++ kernel's per-argument codes for `op`, or None when it does not serve it: 't'
+    tensor, 'n' traced number, 'N' number the lowering wants static, 's' static argument."""
+    from .dispatch import SCALAR, STATIC, TENSOR
+
+    schema = op._schema
+    if (lowering.mutates or lowering.random or lowering.dynamic_shape or lowering.check is not None
+            or has_call_check or "device" in sig.names or op in padding.PRODUCERS
+            or len(schema.returns) != 1 or str(schema.returns[0].type) != "Tensor"
+            or schema.returns[0].alias_info is not None):
+        return None
+    out = []
+    for i, (arg, kind) in enumerate(zip(schema.arguments, kinds)):
+        if str(arg.type) not in _TYPES and kind != SCALAR:
+            return None
+        if kind == TENSOR:
+            out.append("t")
+        elif kind == SCALAR:
+            out.append("N" if sig.names[i] in lowering.static else "n")
+        elif kind == STATIC:
+            out.append("s")
+        else:
+            return None
+    return "".join(out)
+
+
+def register(qualname, code, python_kernel) -> None:
+    if _library.torchpjrt_hot_register(qualname.encode(), code.encode(), python_kernel) != 0:
+        raise RuntimeError(f"torchpjrt: registering the hot kernel of {qualname} failed")
+
+
+def calls() -> int:
+    """Calls the C++ kernels served (each also counts as an op dispatched)."""
+    return _library.torchpjrt_hot_calls(0) if _library is not None else 0
