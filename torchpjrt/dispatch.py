@@ -481,7 +481,7 @@ class LoweredKernel:
         elif not isinstance(v, torch.Tensor):
             # a wrapped Python number (x + 2 arrives as add.Tensor(x, 2))
             if isinstance(v, bool) or v == 1:
-                key.append(("s", v))
+                key.append(("s", type(v), v))  # x + 1 and x + 1.0 differ in result dtype
             else:
                 key.append(("n", type(v)))
                 dyn.append(v)

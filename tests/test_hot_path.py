@@ -1,0 +1,228 @@
+"""Strict mode's hot path (csrc/hot_ops.cpp, hot_path.py): repeated calls of functional ops served
+from C++ give what the Python kernels give, call for call; what it cannot serve goes to them."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchpjrt
+from torchpjrt import hot_path, native
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _active():
+    return hot_path._library is not None
+
+
+needs_hot_path = pytest.mark.skipif(
+    not _active(), reason=f"the hot path is not loaded: {native.failure() or 'Python headers or a compiler missing'}")
+
+
+def served(fn):
+    """(fn's result, how many calls the hot path served while it ran)."""
+    before = hot_path.calls()
+    out = fn()
+    return out, hot_path.calls() - before
+
+
+@needs_hot_path
+def test_the_suite_runs_with_the_hot_path_loaded():
+    assert native.library() is not None
+    a = torch.randn(5, 7, device="pjrt")
+    b = torch.randn(5, 7, device="pjrt")
+    a + b  # the Python kernel's call: the C++ kernel learns its program
+    out, n = served(lambda: a + b)
+    assert n == 1
+    torch.testing.assert_close(out.cpu(), a.cpu() + b.cpu(), rtol=0, atol=0)
+    before = torchpjrt.eager_stats()["ops_dispatched"]
+    a + b
+    assert torchpjrt.eager_stats()["ops_dispatched"] == before + 1  # counted with the Python kernels'
+
+
+@needs_hot_path
+def test_results_are_new_tensors_as_the_python_kernel_makes_them():
+    a = torch.randn(3, 4, device="pjrt")
+    a * 3.0
+    c, n = served(lambda: a * 3.0)
+    assert n == 1
+    model = torchpjrt.storage._create_empty((1,), torch.float32)
+    assert torch._C._dispatch_keys(c) == torch._C._dispatch_keys(model)
+    assert c.device == torch.device("pjrt:0") and c.shape == (3, 4) and c.stride() == (4, 1)
+    assert c.dtype == torch.float32 and not c.requires_grad and c.is_leaf
+    s = c.untyped_storage()
+    assert s.nbytes() == 48 and s.resizable()
+    assert c.data_ptr() >= 2**60 and c.data_ptr() % 256 == 0
+    d = a * 3.0
+    assert len({c.data_ptr(), d.data_ptr(), a.data_ptr()}) == 3  # each storage its own address
+    # the new tensor is an ordinary pjrt tensor: views, in-place writes, host reads
+    c[0].fill_(1.0)
+    c.view(12)[5] = 7.0
+    expected = a.cpu() * 3.0
+    expected[0] = 1.0
+    expected.view(12)[5] = 7.0
+    torch.testing.assert_close(c.cpu(), expected)
+    assert s.data_ptr() == c.data_ptr()
+
+
+@needs_hot_path
+def test_numbers_keep_their_types_and_values():
+    x = torch.arange(6, device="pjrt").reshape(2, 3).clone()  # its own storage: a whole tensor
+    xc = x.cpu()
+    calls = [lambda t: t + 1, lambda t: t + 1.0, lambda t: t + 2, lambda t: t + 2.5, lambda t: t * True,
+             lambda t: t * False, lambda t: t - 7, lambda t: t / 2, lambda t: t.add(3, alpha=2),
+             lambda t: t.add(3.0, alpha=1), lambda t: torch.sub(t, 1.5, alpha=3), lambda t: t.float() * -0.0,
+             lambda t: t.float() + float("nan"), lambda t: t.pow(2), lambda t: t.float().pow(0.5)]
+    for round in range(3):  # the first round runs the Python kernels, the later ones the hot path
+        for i, f in enumerate(calls):
+            got, n = served(lambda: f(x))
+            want = f(xc)
+            assert got.dtype == want.dtype, i
+            torch.testing.assert_close(got.cpu(), want, equal_nan=True)
+            if round and i in (0, 1, 2, 3, 6, 8):
+                assert n == 1, i
+    # a traced number: a new value reuses the program, and gives the new result
+    y = torch.randn(4, device="pjrt")
+    for k in range(5):
+        got, n = served(lambda: y * (k + 0.25))
+        torch.testing.assert_close(got.cpu(), y.cpu() * (k + 0.25))
+    assert n == 1
+
+
+@needs_hot_path
+def test_static_arguments_are_part_of_the_key():
+    t = torch.randn(4, 6, device="pjrt")
+    tc = t.cpu()
+    calls = [lambda m, v: F.gelu(v), lambda m, v: F.gelu(v, approximate="tanh"),
+             lambda m, v: m.sum(v, 1), lambda m, v: m.sum(v, 0), lambda m, v: m.sum(v, (0, 1), keepdim=True),
+             lambda m, v: m.sum(v, 1, dtype=torch.float64), lambda m, v: m.mean(v, -1),
+             lambda m, v: m.softmax(v, 0), lambda m, v: m.softmax(v, 1), lambda m, v: m.clamp(v, -0.5, 0.5),
+             lambda m, v: m.clamp(v, min=-0.25), lambda m, v: m.div(v, 3, rounding_mode="floor"),
+             lambda m, v: m.div(v, 3, rounding_mode="trunc"), lambda m, v: m.div(v, 3)]
+    for round in range(3):
+        for i, f in enumerate(calls):
+            got, n = served(lambda: f(torch, t))
+            want = f(torch, tc)
+            assert got.dtype == want.dtype and got.shape == want.shape
+            torch.testing.assert_close(got.cpu(), want)
+            if round and i in (0, 1, 2, 3, 4, 5):
+                assert n >= 1, i
+
+
+@needs_hot_path
+def test_what_it_cannot_key_goes_to_the_python_kernel():
+    base = torch.randn(6, 8, device="pjrt")
+    cpu = base.cpu()
+    for _ in range(3):
+        # views (transposed, offset, strided) and host scalars: served by the Python kernels
+        (out, n) = served(lambda: base.t() + 1.5)
+        assert n == 0
+        torch.testing.assert_close(out.cpu(), cpu.t() + 1.5)
+        out, n = served(lambda: base[2:] * 2.0)
+        assert n == 0
+        torch.testing.assert_close(out.cpu(), cpu[2:] * 2.0)
+        out, n = served(lambda: base + torch.tensor(2.0))  # a CPU scalar tensor
+        assert n == 0
+        torch.testing.assert_close(out.cpu(), cpu + 2.0)
+    # a storage not written yet (empty()): the Python kernel materializes it
+    e = torch.empty(3, device="pjrt")
+    out, n = served(lambda: e + 1)
+    assert n == 0 and out.shape == (3,)
+
+
+@needs_hot_path
+def test_other_eager_modes_and_padded_storages_take_the_python_kernels():
+    a = torch.randn(8, device="pjrt")
+    a.exp()
+    a.exp()
+    with torchpjrt.eager_mode("fused"):
+        out, n = served(lambda: a.exp() * 2.0)
+        assert n == 0 and torchpjrt.eager_stats()["ops_pending"] >= 1
+    torch.testing.assert_close(out.cpu(), a.cpu().exp() * 2.0)
+    with torchpjrt.eager_mode("debug", log_ops=True):
+        out, n = served(lambda: a.exp())
+        assert n == 0
+    # while a padded storage (nonzero's result) is alive, every call goes through its rules
+    idx = (a > 0).nonzero()
+    out, n = served(lambda: a.exp())
+    assert n == 0
+    del idx
+    out, n = served(lambda: a.exp())
+    assert n == 1
+
+
+@needs_hot_path
+def test_autograd_inference_mode_and_threads():
+    w = torch.randn(4, 4, device="pjrt", requires_grad=True)
+    x = torch.randn(4, 4, device="pjrt")
+    wc = w.detach().cpu().requires_grad_()
+    for _ in range(3):
+        w.grad = None
+        (torch.tanh(x @ w) * 2.0).sum().backward()
+    (torch.tanh(x.cpu() @ wc) * 2.0).sum().backward()
+    torch.testing.assert_close(w.grad.cpu(), wc.grad)
+    with torch.inference_mode():
+        x + x
+        y, n = served(lambda: x + x)
+    assert n == 1 and y.is_inference() and not x.is_inference()
+
+    errors = []
+
+    def worker():
+        try:
+            for _ in range(200):
+                torch.testing.assert_close((x * 0.5).cpu(), x.cpu() * 0.5)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+@needs_hot_path
+def test_errors_are_the_python_kernels():
+    a = torch.randn(3, device="pjrt")
+    b = torch.randn(4, device="pjrt")
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="size of tensor a"):
+            a + b
+    with pytest.raises(RuntimeError, match="result type Float can't be cast"):
+        torch.add(a, a, out=torch.empty(3, dtype=torch.long, device="pjrt"))
+
+
+@pytest.mark.slow  # fresh processes
+def test_turned_off_or_on_the_results_are_the_same(tmp_path):
+    script = tmp_path / "ops.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.nn.functional as F, torchpjrt
+        from torchpjrt import hot_path
+        torch.manual_seed(0)
+        x = torch.randn(16, 16, device="pjrt")
+        outs = []
+        for i in range(4):
+            y = F.gelu(x @ x.t() * 0.1 + i).softmax(-1).sum(0) - 1
+            outs.append(y.cpu())
+        torch.save(torch.stack(outs), __import__("sys").argv[1])
+        print("served", hot_path.calls())
+    """))
+    env = dict(os.environ, TORCHPJRT_PLATFORM="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    results = {}
+    for setting in ("on", "off"):
+        out = subprocess.run([sys.executable, str(script), str(tmp_path / f"{setting}.pt")],
+                             env=dict(env, TORCHPJRT_NATIVE_OPS=setting), capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        results[setting] = int(out.stdout.split("served")[1])
+    assert results["off"] == 0
+    if _active():
+        assert results["on"] > 0
+    assert torch.equal(torch.load(tmp_path / "on.pt"), torch.load(tmp_path / "off.pt"))
