@@ -226,3 +226,41 @@ def test_turned_off_or_on_the_results_are_the_same(tmp_path):
     if _active():
         assert results["on"] > 0
     assert torch.equal(torch.load(tmp_path / "on.pt"), torch.load(tmp_path / "off.pt"))
+
+
+@needs_hot_path
+def test_in_place_forms_write_their_target_as_the_python_kernel_does():
+    a = torch.randn(4, 5, device="pjrt")
+    b = torch.randn(4, 5, device="pjrt")
+    ac, bc = a.cpu(), b.cpu()
+    view = a.view(20)  # reads the storage a's writes replace
+    address, version = a.data_ptr(), a._version
+    for round in range(3):
+        out, n = served(lambda: a.add_(b, alpha=0.5))
+        ac.add_(bc, alpha=0.5)
+        assert out is a and (n == 1 or round == 0)
+        out, n = served(lambda: a.mul_(1.5))
+        ac.mul_(1.5)
+        assert out is a and (n == 1 or round == 0)
+    torch.testing.assert_close(a.cpu(), ac)
+    torch.testing.assert_close(view.cpu(), ac.view(20))
+    assert a.data_ptr() == address and a._version == version + 6
+    # broadcasting into the target, a view target, a float64 other into float32: as on CPU
+    row = torch.randn(5, device="pjrt")
+    for _ in range(2):
+        a.sub_(row)
+        ac.sub_(row.cpu())
+        a[1].add_(2.0)
+        ac[1].add_(2.0)
+        a.add_(torch.ones(4, 5, dtype=torch.float64, device="pjrt"))
+        ac.add_(torch.ones(4, 5, dtype=torch.float64))
+    torch.testing.assert_close(a.cpu(), ac)
+    assert a.dtype == torch.float32
+    ints = torch.arange(3, device="pjrt")
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="can't be cast to the desired output type"):
+            ints.add_(0.5)
+    # autograd's checks stay in front of the kernel
+    leaf = torch.randn(3, device="pjrt", requires_grad=True)
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        leaf.add_(1.0)

@@ -813,11 +813,13 @@ def make_inplace_kernel(op, functional, lowering):
 
     def kernel(*args, **kwargs):
         vals = sig.values(args, kwargs)
-        out = k.compute(vals)[0]
+        outs, key = k.compute_keyed(vals)
+        out = outs[0]
         self = vals[0]
         if tuple(out.shape) != tuple(self.shape):
             _check_inplace_broadcast(tuple(out.shape), tuple(self.shape))
         storage.write(self, out, allow_overlap=allow_overlap)
+        hot_path.last_call = (k, key, out, self)  # the hot kernel may replay it if the write was plain
         return self
 
     return kernel
@@ -1670,7 +1672,15 @@ def register():
         for derived in derived_overloads(op):
             if _qualname(derived) in SPECIAL_KERNELS or _is_composite_implicit(derived):
                 continue
-            lib.impl(_qualname(derived), _registered(derived, lowering, derived_kernel(derived, op)), "PrivateUse1")
+            kernel = _registered(derived, lowering, derived_kernel(derived, op))
+            sig = signature(derived)
+            code = hot_path.codes(derived, lowering, sig, _kinds(sig, lowering),
+                                  _ARGUMENT_CHECKS.get(derived, (None,))[0] is not None, inplace=True) \
+                if hot is not None and sig.kinds[0] == TENSOR else None
+            if code is None:
+                lib.impl(_qualname(derived), kernel, "PrivateUse1")
+            else:
+                hot_path.register(_qualname(derived), code, kernel, inplace=True)
     fb = torch.library.Library("_", "IMPL")
     _libs.append(fb)
     import torchpjrt_autoload

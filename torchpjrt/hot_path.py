@@ -22,7 +22,9 @@ from jax._src.array import ArrayImpl
 
 from . import eager, fusion, native, padding, placement, storage
 
-last_call = None  # (LoweredKernel, key) of the latest plain single-result call (dispatch)
+# the latest call of the single-result kernel (LoweredKernel, key), or of an in-place form
+# (LoweredKernel, key, the program's result, the written tensor): dispatch sets it
+last_call = None
 
 # schema argument types the C++ kernel can key or hand back to Python
 _TYPES = {"Tensor", "Optional[Tensor]", "number", "Optional[number]", "int", "Optional[int]", "List[int]",
@@ -38,6 +40,12 @@ def take_entry():
     call, last_call = last_call, None
     if call is None:
         return None
+    if len(call) == 4:
+        # an in-place form: plain when the target's storage now holds the program's own result
+        # (a whole-storage write that needed no cast, broadcast or placement)
+        kernel, key, result, target = call
+        st = getattr(target.untyped_storage(), "_pjrt", None)
+        return kernel.cache.get(key) if st is not None and st.array is result else None
     kernel, key = call
     if kernel.strides_for(key) is not None:
         return None
@@ -62,29 +70,38 @@ def start():
     py = ctypes.PyDLL(path)
     py.torchpjrt_hot_configure.argtypes = [ctypes.py_object] * 6
     py.torchpjrt_hot_configure.restype = ctypes.c_int
-    py.torchpjrt_hot_register.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.py_object]
+    py.torchpjrt_hot_register.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.py_object, ctypes.c_int]
     py.torchpjrt_hot_register.restype = ctypes.c_int
     py.torchpjrt_hot_calls.argtypes = [ctypes.c_int]
     py.torchpjrt_hot_calls.restype = ctypes.c_longlong
     import sys
 
-    off_when = [(eager, "debug_enabled"), (padding, "live"), (placement, "multi"), (fusion, "_recording")]
+    off_when = [(eager, "debug_enabled"), (padding, "live"), (placement, "multi"), (fusion, "_recording"),
+                (storage, "mesh_placements")]
     model = storage._create_empty((0,), torch.float32)
     py.torchpjrt_hot_configure(storage.Storage, ArrayImpl, sys.modules[__name__], take_entry, off_when, model)
     _library = py
     return py
 
 
-def codes(op, lowering, sig, kinds, has_call_check) -> str | None:
-    """The C++ kernel's per-argument codes for `op`, or None when it does not serve it: 't'
-    tensor, 'n' traced number, 'N' number the lowering wants static, 's' static argument."""
+def codes(op, lowering, sig, kinds, has_call_check, inplace=False) -> str | None:
+    """The C++ kernel's per-argument codes for `op` (with `inplace`: an in-place form of the
+    op `lowering` computes), or None when it does not serve it: 't' tensor, 'n' traced
+    number, 'N' number the lowering wants static, 's' static argument."""
     from .dispatch import SCALAR, STATIC, TENSOR
 
     schema = op._schema
     if (lowering.mutates or lowering.random or lowering.dynamic_shape or lowering.check is not None
             or has_call_check or "device" in sig.names or op in padding.PRODUCERS
-            or len(schema.returns) != 1 or str(schema.returns[0].type) != "Tensor"
-            or schema.returns[0].alias_info is not None):
+            or len(schema.returns) != 1 or str(schema.returns[0].type) != "Tensor"):
+        return None
+    ret = schema.returns[0].alias_info
+    if inplace:
+        first = schema.arguments[0].alias_info
+        if ret is None or not ret.is_write or first is None or not first.is_write or schema.arguments[0].kwarg_only \
+                or any(a.alias_info is not None for a in schema.arguments[1:]):
+            return None
+    elif ret is not None:
         return None
     out = []
     for i, (arg, kind) in enumerate(zip(schema.arguments, kinds)):
@@ -101,8 +118,8 @@ def codes(op, lowering, sig, kinds, has_call_check) -> str | None:
     return "".join(out)
 
 
-def register(qualname, code, python_kernel) -> None:
-    if _library.torchpjrt_hot_register(qualname.encode(), code.encode(), python_kernel) != 0:
+def register(qualname, code, python_kernel, inplace=False) -> None:
+    if _library.torchpjrt_hot_register(qualname.encode(), code.encode(), python_kernel, int(inplace)) != 0:
         raise RuntimeError(f"torchpjrt: registering the hot kernel of {qualname} failed")
 
 

@@ -1,5 +1,5 @@
-// Strict mode's hot path: functional ops with one tensor result, called again with a signature
-// the Python kernel has already run.
+// Strict mode's hot path: functional ops with one tensor result and their in-place forms
+// (`a.add_(b)`), called again with a signature the Python kernel has already run.
 //
 // torchpjrt's Python kernel for such an op normalizes the arguments, builds a signature key,
 // looks up the op's compiled program, calls it and wraps its array as a new tensor. Past the
@@ -9,7 +9,9 @@
 // tensors whose storage holds a computed jax.Array, numbers and static arguments. It keys the
 // call by those, and on a key the Python kernel has already served (and reported as plain) it
 // calls the same compiled program with the same arguments and wraps the result as the Python
-// kernel does (a storage object holding the array, an address of its own). Everything else
+// kernel does (a storage object holding the array, an address of its own), or for an in-place
+// form hands it to the target's storage object (Storage.replace, as storage.write does for a
+// whole storage). Everything else
 // goes to the Python kernel: a first call, another eager mode, padded storages, several devices,
 // views and host tensors. So results are the Python kernel's, call for call.
 
@@ -47,6 +49,7 @@ struct Config {
   PyObject* name_shape = nullptr;
   PyObject* name_dtype = nullptr;
   PyObject* name_last_call = nullptr;
+  PyObject* name_replace = nullptr;
   c10::Allocator* allocator = nullptr;  // the one PyTorch's Python backend gives its storages
 };
 
@@ -120,8 +123,9 @@ bool python_path_wanted() {
 }
 
 // The array of a whole, contiguous pjrt tensor whose storage holds a computed jax.Array (a new
-// reference), or nullptr (no Python error left set).
-PyObject* whole_array(const at::Tensor& t) {
+// reference), or nullptr (no Python error left set). With `storage_object`, also the storage
+// object (a new reference there).
+PyObject* whole_array(const at::Tensor& t, PyObject** storage_object = nullptr) {
   if (t.device().type() != c10::DeviceType::PrivateUse1 || t.storage_offset() != 0 || !t.is_contiguous())
     return nullptr;
   PyObject* py_storage = THPStorage_Wrap(t.storage());
@@ -138,7 +142,6 @@ PyObject* whole_array(const at::Tensor& t) {
   PyObject* array = PyObject_GetAttr(st, config->name_array);
   PyObject* shape = PyObject_GetAttr(st, config->name_shape);
   PyObject* dtype = PyObject_GetAttr(st, config->name_dtype);
-  Py_DECREF(st);
   bool ok = array != nullptr && shape != nullptr && dtype != nullptr &&
             reinterpret_cast<PyObject*>(Py_TYPE(array)) == config->array_type &&
             dtype == reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type())) && PyTuple_Check(shape) &&
@@ -155,8 +158,13 @@ PyObject* whole_array(const at::Tensor& t) {
   if (!ok) {
     PyErr_Clear();
     Py_XDECREF(array);
+    Py_DECREF(st);
     return nullptr;
   }
+  if (storage_object != nullptr)
+    *storage_object = st;
+  else
+    Py_DECREF(st);
   return array;
 }
 
@@ -221,7 +229,10 @@ class HotKernel final : public c10::OperatorKernel {
  public:
   // codes: per schema argument, 't' tensor, 'n' number (traced unless None/bool/1), 'N' number
   // the lowering wants static, 's' static argument.
-  HotKernel(std::string codes, PyObject* python_kernel) : codes_(std::move(codes)), python_kernel_(python_kernel) {
+  // inplace: the op writes its first argument and returns it (its result replaces that
+  // argument's storage array).
+  HotKernel(std::string codes, PyObject* python_kernel, bool inplace)
+      : codes_(std::move(codes)), python_kernel_(python_kernel), inplace_(inplace) {
     Py_INCREF(python_kernel_);
   }
 
@@ -232,12 +243,23 @@ class HotKernel final : public c10::OperatorKernel {
     std::vector<int64_t> key;
     key.reserve(24);
     Arguments dyn;
-    bool keyed = !python_path_wanted() && make_key(args, key, dyn);
+    PyObject* target = nullptr;  // an in-place op's storage object of its first argument
+    bool keyed = !python_path_wanted() && make_key(args, key, dyn, &target);
     if (keyed) {
       auto it = table_.find(key);
       if (it != table_.end()) {
-        at::Tensor out = run(it->second, dyn);
-        if (out.defined()) {
+        bool done = false;
+        c10::IValue out;
+        if (inplace_) {
+          done = run_inplace(it->second, dyn, target);
+          if (done) out = args[0];
+        } else {
+          at::Tensor t = run(it->second, dyn);
+          done = t.defined();
+          out = std::move(t);
+        }
+        if (done) {
+          Py_XDECREF(target);
           calls.fetch_add(1, std::memory_order_relaxed);
           torch::jit::drop(*stack, n);
           stack->emplace_back(std::move(out));
@@ -245,6 +267,7 @@ class HotKernel final : public c10::OperatorKernel {
         }
       }
     }
+    Py_XDECREF(target);
     if (keyed && PyObject_SetAttr(config->stash_module, config->name_last_call, Py_None) != 0) PyErr_Clear();
     at::Tensor out = call_python(op, args);
     if (keyed) learn(std::move(key), out);
@@ -253,7 +276,7 @@ class HotKernel final : public c10::OperatorKernel {
   }
 
  private:
-  bool make_key(c10::ArrayRef<c10::IValue> args, std::vector<int64_t>& key, Arguments& dyn) {
+  bool make_key(c10::ArrayRef<c10::IValue> args, std::vector<int64_t>& key, Arguments& dyn, PyObject** target) {
     for (size_t i = 0; i < codes_.size(); i++) {
       const c10::IValue& v = args[i];
       switch (codes_[i]) {
@@ -295,7 +318,7 @@ class HotKernel final : public c10::OperatorKernel {
             }
             continue;
           }
-          if (!dyn.push(whole_array(t))) return false;
+          if (!dyn.push(whole_array(t, inplace_ && i == 0 ? target : nullptr))) return false;
           key.push_back(kTensor);
           key.push_back(static_cast<int64_t>(t.scalar_type()));
           key.push_back(t.dim());
@@ -357,12 +380,36 @@ class HotKernel final : public c10::OperatorKernel {
     return t;
   }
 
+  // The program's result given to `target` (the written argument's storage object); false when
+  // anything is not as the Python kernel left it.
+  bool run_inplace(const Entry& e, Arguments& dyn, PyObject* target) {
+    PyObject* result = PyObject_Vectorcall(e.program, dyn.items, dyn.n, nullptr);
+    if (result == nullptr) {
+      PyErr_Clear();
+      return false;
+    }
+    PyObject* array = PyTuple_Check(result) && PyTuple_GET_SIZE(result) >= 1 ? PyTuple_GET_ITEM(result, 0) : nullptr;
+    bool ok = array != nullptr && reinterpret_cast<PyObject*>(Py_TYPE(array)) == config->array_type && target != nullptr;
+    if (ok) {
+      PyObject* none = PyObject_CallMethodOneArg(target, config->name_replace, array);
+      ok = none != nullptr;
+      Py_XDECREF(none);
+    }
+    Py_DECREF(result);
+    if (!ok) PyErr_Clear();
+    return ok;
+  }
+
   // After a Python kernel call made with `key`: remember its program when it reported the call
   // as plain (dispatch's single-result kernel, row-major result) and the result is as run() makes.
   void learn(std::vector<int64_t> key, const at::Tensor& out) {
     PyObject* program = PyObject_CallNoArgs(config->take_entry);
     if (program == nullptr) {
       PyErr_Clear();
+      return;
+    }
+    if (program != Py_None && inplace_) {  // the result is the written argument: nothing to make
+      table_.emplace(std::move(key), Entry{program, out.scalar_type(), nullptr, {}, 0});
       return;
     }
     if (program == Py_None || !out.defined() || out.device().type() != c10::DeviceType::PrivateUse1 ||
@@ -455,6 +502,7 @@ class HotKernel final : public c10::OperatorKernel {
 
   std::string codes_;
   PyObject* python_kernel_;
+  bool inplace_;
   std::unordered_map<std::vector<int64_t>, Entry, KeyHash> table_;  // touched with the GIL held
 };
 
@@ -502,13 +550,15 @@ int torchpjrt_hot_configure(PyObject* storage_class, PyObject* array_type, PyObj
   c->name_shape = PyUnicode_InternFromString("shape");
   c->name_dtype = PyUnicode_InternFromString("dtype");
   c->name_last_call = PyUnicode_InternFromString("last_call");
+  c->name_replace = PyUnicode_InternFromString("replace");
   config = c.release();
   return 0;
 }
 
 // Register the hot kernel for aten::`name` ("add.Tensor") at PrivateUse1, with `python_kernel`
-// for every call it does not serve. Returns 0, or -1 with a Python error set.
-int torchpjrt_hot_register(const char* name, const char* codes, PyObject* python_kernel) {
+// for every call it does not serve; `inplace`: see HotKernel. Returns 0, or -1 with a Python
+// error set.
+int torchpjrt_hot_register(const char* name, const char* codes, PyObject* python_kernel, int inplace) {
   if (config == nullptr) {
     PyErr_SetString(PyExc_RuntimeError, "torchpjrt_hot_configure was not called");
     return -1;
@@ -518,7 +568,7 @@ int torchpjrt_hot_register(const char* name, const char* codes, PyObject* python
       registration = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1,
                                                       __FILE__, __LINE__);
     registration->impl(name, torch::CppFunction::makeFromBoxedFunctor(
-                                 std::make_unique<HotKernel>(codes, python_kernel)));
+                                 std::make_unique<HotKernel>(codes, python_kernel, inplace != 0)));
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return -1;
