@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import torchpjrt
 from torchpjrt import hot_path, native
 
+DEV = "pjrt"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -264,3 +265,24 @@ def test_in_place_forms_write_their_target_as_the_python_kernel_does():
     leaf = torch.randn(3, device="pjrt", requires_grad=True)
     with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
         leaf.add_(1.0)
+
+
+@needs_hot_path
+def test_fused_modes_flush_heavy_regions_are_served_and_counted():
+    x = torch.arange(60.0).reshape(20, 3)  # integers: exact sums (shapes no other test uses)
+
+    def generate_like(device):
+        d = x.to(device)
+        return [(d[:n].neg() * 2 + 1).sum().item() for n in range(1, 21)]  # a new shape per read
+
+    expected = generate_like("cpu")
+    with torchpjrt.eager_mode("fused"):
+        assert generate_like(DEV) == expected
+        assert generate_like(DEV) == expected  # a flush-heavy region by now: ops run at once
+        before = torchpjrt.eager_stats()
+        got, n = served(lambda: generate_like(DEV))
+        after = torchpjrt.eager_stats()
+    assert got == expected
+    assert n >= 20  # `* 2` of each round at least (`d[:n]` is a view: its neg goes to Python)
+    # settled at each Python-kernel op (each neg): without the hot calls about 20 would count
+    assert after["ops_passed_through"] - before["ops_passed_through"] >= n

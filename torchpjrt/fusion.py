@@ -72,6 +72,11 @@ passthrough_window = 16  # flushes looked at to find a flush-heavy region
 passthrough_share = 0.75  # the share of their ops run op by op that starts running ops at once
 passthrough_ops = 2048  # ops run at once before recording is tried again
 _passthrough_left = 0  # ops still to run at once
+# read by strict mode's hot path (hot_path.py), which serves ops only while this is false: ops
+# are recorded (fused mode, outside a flush-heavy region)
+records_ops = False
+_hot_calls_at = 0  # the hot path's call count when a flush-heavy region's count was last settled
+hot_calls = int  # the hot path's call count (hot_path.calls once it is loaded; 0 until then)
 _passthrough_next = 0  # the length of the next stretch run at once (0: passthrough_ops)
 _outcomes = []  # per recent flush (at most passthrough_window): (ran a compiled graph, ops)
 DISPATCH_SECONDS_PER_OP = 15e-6  # what running a recorded op by its own kernel costs the host
@@ -204,6 +209,7 @@ def set_recording(on: bool) -> None:
             flush("mode_change")
         _recording = on
         _passthrough_left = _passthrough_next = 0
+        _sync_records_ops()
         _outcomes.clear()
 
 
@@ -409,14 +415,23 @@ def flush(reason: str) -> None:
 def _pass_through() -> bool:
     """Whether this op runs at once (a flush-heavy region; see the module's docstring). Never
     while ops are pending: a region starts right after a flush."""
-    global _passthrough_left
+    global _passthrough_left, _hot_calls_at
     if _graph.nodes:
         return False
-    _passthrough_left -= 1
+    # the ops the hot path ran meanwhile (it serves a region's ops too) count against the region
+    served = hot_calls() - _hot_calls_at
+    _hot_calls_at += served
+    _passthrough_left = max(_passthrough_left - 1 - served, 0)
     if not _passthrough_left:
         stats["passthrough_ends"] += 1
-    stats["ops_passed_through"] += 1
+        _sync_records_ops()
+    stats["ops_passed_through"] += 1 + served
     return True
+
+
+def _sync_records_ops():
+    global records_ops
+    records_ops = _recording and not _passthrough_left
 
 
 def _computed(args):
@@ -428,7 +443,7 @@ def _computed(args):
 
 
 def _note_outcome(compiled: bool, n_ops: int) -> None:
-    global _passthrough_left, _passthrough_next, _flushes_seen
+    global _passthrough_left, _passthrough_next, _flushes_seen, _hot_calls_at
     _outcomes.append((compiled, n_ops))
     if len(_outcomes) > passthrough_window:
         del _outcomes[0]
@@ -438,6 +453,8 @@ def _note_outcome(compiled: bool, n_ops: int) -> None:
     if op_by_op >= passthrough_share * sum(n for _, n in _outcomes):
         _passthrough_left = _passthrough_next or passthrough_ops
         _passthrough_next = min(2 * _passthrough_left, 32 * passthrough_ops)
+        _hot_calls_at = hot_calls()
+        _sync_records_ops()
         _outcomes.clear()
         # what came before the region is far away by the time recording resumes: a graph seen
         # then compiles at its next sighting only if it has paid for its compile (not by distance)

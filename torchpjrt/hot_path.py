@@ -4,8 +4,9 @@ with one tensor result, registered in place of their Python kernels.
 The C++ kernel keys each call by its arguments (whole contiguous pjrt tensors, numbers, static
 arguments) and, for a key the Python kernel has already served, calls the same compiled program
 and wraps its array as storage.wrap does. A call it cannot key (views, host tensors, a storage
-not computed yet), a new key, and every call while another eager mode, a padded storage or a
-second device is in use, runs the Python kernel. The Python kernel tells it which program a
+not computed yet), a new key, and every call while debug mode, fused mode's recording, a padded
+storage or a second device is in use, runs the Python kernel (fused mode's flush-heavy regions,
+whose ops run at once, are served). The Python kernel tells it which program a
 call used (`last_call`, read by `take_entry`) only for plain calls: a row-major result from
 the single-result kernel.
 
@@ -76,11 +77,12 @@ def start():
     py.torchpjrt_hot_calls.restype = ctypes.c_longlong
     import sys
 
-    off_when = [(eager, "debug_enabled"), (padding, "live"), (placement, "multi"), (fusion, "_recording"),
+    off_when = [(eager, "debug_enabled"), (padding, "live"), (placement, "multi"), (fusion, "records_ops"),
                 (storage, "mesh_placements")]
     model = storage._create_empty((0,), torch.float32)
     py.torchpjrt_hot_configure(storage.Storage, ArrayImpl, sys.modules[__name__], take_entry, off_when, model)
     _library = py
+    fusion.hot_calls = calls
     return py
 
 
