@@ -182,7 +182,19 @@ def test_autograd_inference_mode_and_threads():
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
+    def first_calls(seed):
+        # new keys in every thread at once: each learns the program of its own call
+        try:
+            for n in range(1, 40):
+                u = torch.full((n + 100 * seed,), float(seed), device="pjrt")
+                for _ in range(2):
+                    got = (u * 2.0 + u).sum(0, keepdim=True)
+                    assert got.shape == (1,) and got.item() == 3.0 * seed * (n + 100 * seed)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
     threads = [threading.Thread(target=worker) for _ in range(3)]
+    threads += [threading.Thread(target=first_calls, args=(s,)) for s in (1, 2, 3)]
     for t in threads:
         t.start()
     for t in threads:

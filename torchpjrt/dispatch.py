@@ -760,7 +760,7 @@ def make_functional_kernel(op, lowering):
                 outs, key = k.compute_keyed(vals)
                 strides = k.strides_for(key)
                 if strides is None:
-                    hot_path.last_call = (k, key)  # a plain call: the hot kernel may replay it
+                    hot_path.stash.last_call = (k, key)  # a plain call: the hot kernel may replay it
                     return storage.wrap(outs[0])
                 return storage.wrap_laid_out(outs[0], None, strides[0])
 
@@ -819,7 +819,7 @@ def make_inplace_kernel(op, functional, lowering):
         if tuple(out.shape) != tuple(self.shape):
             _check_inplace_broadcast(tuple(out.shape), tuple(self.shape))
         storage.write(self, out, allow_overlap=allow_overlap)
-        hot_path.last_call = (k, key, out, self)  # the hot kernel may replay it if the write was plain
+        hot_path.stash.last_call = (k, key, out, self)  # the hot kernel may replay it if the write was plain
         return self
 
     return kernel

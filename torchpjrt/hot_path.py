@@ -6,9 +6,9 @@ arguments) and, for a key the Python kernel has already served, calls the same c
 and wraps its array as storage.wrap does. A call it cannot key (views, host tensors, a storage
 not computed yet), a new key, and every call while debug mode, fused mode's recording, a padded
 storage or a second device is in use, runs the Python kernel (fused mode's flush-heavy regions,
-whose ops run at once, are served). The Python kernel tells it which program a
-call used (`last_call`, read by `take_entry`) only for plain calls: a row-major result from
-the single-result kernel.
+whose ops run at once, are served). The Python kernel tells it which program a call used
+(`stash.last_call`, read by `take_entry`); it is taken only for plain calls: a row-major result
+of the single-result kernel, a whole-storage write of an in-place form.
 
 It is registered when torchpjrt registers its kernels and the helper is already built (the
 first process on a machine builds it in the background and runs the Python kernels);
@@ -17,15 +17,18 @@ TORCHPJRT_NATIVE_OPS=off keeps the Python kernels.
 
 import ctypes
 import os
+import sys
+import threading
 
 import torch
 from jax._src.array import ArrayImpl
 
 from . import eager, fusion, native, padding, placement, storage
 
-# the latest call of the single-result kernel (LoweredKernel, key), or of an in-place form
-# (LoweredKernel, key, the program's result, the written tensor): dispatch sets it
-last_call = None
+# per thread (a kernel call releases the GIL while JAX runs it: another thread's call may come in
+# between), `last_call`: the latest call of the single-result kernel (LoweredKernel, key), or of
+# an in-place form (LoweredKernel, key, the program's result, the written tensor); dispatch sets it
+stash = threading.local()
 
 # schema argument types the C++ kernel can key or hand back to Python
 _TYPES = {"Tensor", "Optional[Tensor]", "number", "Optional[number]", "int", "Optional[int]", "List[int]",
@@ -35,11 +38,14 @@ _TYPES = {"Tensor", "Optional[Tensor]", "number", "Optional[number]", "int", "Op
 _library = None  # the helper, opened so that its calls keep the GIL (ctypes.PyDLL)
 
 
-def take_entry():
-    """The compiled program of the call that just ran, when it was plain; None otherwise."""
-    global last_call
-    call, last_call = last_call, None
-    if call is None:
+def take_entry(qualname):
+    """The compiled program of the call of aten::`qualname` that just ran, when it was plain;
+    None otherwise (also when the call recorded was another op's)."""
+    from .dispatch import _qualname
+
+    call = getattr(stash, "last_call", None)
+    stash.last_call = None
+    if call is None or _qualname(call[0].op) != qualname:
         return None
     if len(call) == 4:
         # an in-place form: plain when the target's storage now holds the program's own result
@@ -75,12 +81,10 @@ def start():
     py.torchpjrt_hot_register.restype = ctypes.c_int
     py.torchpjrt_hot_calls.argtypes = [ctypes.c_int]
     py.torchpjrt_hot_calls.restype = ctypes.c_longlong
-    import sys
-
     off_when = [(eager, "debug_enabled"), (padding, "live"), (placement, "multi"), (fusion, "records_ops"),
                 (storage, "mesh_placements")]
     model = storage._create_empty((0,), torch.float32)
-    py.torchpjrt_hot_configure(storage.Storage, ArrayImpl, sys.modules[__name__], take_entry, off_when, model)
+    py.torchpjrt_hot_configure(storage.Storage, ArrayImpl, stash, take_entry, off_when, model)
     _library = py
     fusion.hot_calls = calls
     return py

@@ -8,8 +8,8 @@ with ctypes.
 - csrc/hot_ops.cpp: strict mode's hot path for functional ops with one result (hot_path.py);
   built only where Python's headers are installed.
 
-It is built, not shipped: a wheel would tie it to one PyTorch build. The build takes a few
-seconds once per PyTorch and source version and is kept under $XDG_CACHE_HOME/torchpjrt/native.
+It is built, not shipped: a wheel would tie it to one PyTorch build. The build takes about 25 s
+(2 cores) once per PyTorch and source version and is kept under $XDG_CACHE_HOME/torchpjrt/native.
 The first process on a machine starts it in the background (`start`) and runs with the Python
 kernels until it is ready; a caller that needs it at once (a second device) waits for it.
 Without a compiler, or with TORCHPJRT_NATIVE=off, the package works as before: Python view

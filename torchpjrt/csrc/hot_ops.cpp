@@ -41,8 +41,8 @@ namespace {
 struct Config {
   PyObject* storage_class = nullptr;  // torchpjrt.storage.Storage(array, dtype)
   PyObject* array_type = nullptr;     // jax's concrete array type: anything else is not computed yet
-  PyObject* stash_module = nullptr;   // holds `last_call`, set by a plain Python kernel call
-  PyObject* take_entry = nullptr;     // () -> the program of the call just made, or None
+  PyObject* stash = nullptr;          // per thread, `last_call`: set by the Python kernel's call
+  PyObject* take_entry = nullptr;     // (op name) -> the program of the call just made, or None
   std::vector<std::pair<PyObject*, PyObject*>> off_when;  // (module dict, name): true -> Python kernel
   PyObject* name_pjrt = nullptr;
   PyObject* name_array = nullptr;
@@ -231,8 +231,8 @@ class HotKernel final : public c10::OperatorKernel {
   // the lowering wants static, 's' static argument.
   // inplace: the op writes its first argument and returns it (its result replaces that
   // argument's storage array).
-  HotKernel(std::string codes, PyObject* python_kernel, bool inplace)
-      : codes_(std::move(codes)), python_kernel_(python_kernel), inplace_(inplace) {
+  HotKernel(const char* name, std::string codes, PyObject* python_kernel, bool inplace)
+      : name_(PyUnicode_FromString(name)), codes_(std::move(codes)), python_kernel_(python_kernel), inplace_(inplace) {
     Py_INCREF(python_kernel_);
   }
 
@@ -268,7 +268,7 @@ class HotKernel final : public c10::OperatorKernel {
       }
     }
     Py_XDECREF(target);
-    if (keyed && PyObject_SetAttr(config->stash_module, config->name_last_call, Py_None) != 0) PyErr_Clear();
+    if (keyed && PyObject_SetAttr(config->stash, config->name_last_call, Py_None) != 0) PyErr_Clear();
     at::Tensor out = call_python(op, args);
     if (keyed) learn(std::move(key), out);
     torch::jit::drop(*stack, n);
@@ -403,7 +403,7 @@ class HotKernel final : public c10::OperatorKernel {
   // After a Python kernel call made with `key`: remember its program when it reported the call
   // as plain (dispatch's single-result kernel, row-major result) and the result is as run() makes.
   void learn(std::vector<int64_t> key, const at::Tensor& out) {
-    PyObject* program = PyObject_CallNoArgs(config->take_entry);
+    PyObject* program = name_ != nullptr ? PyObject_CallOneArg(config->take_entry, name_) : nullptr;
     if (program == nullptr) {
       PyErr_Clear();
       return;
@@ -500,6 +500,7 @@ class HotKernel final : public c10::OperatorKernel {
     return out;
   }
 
+  PyObject* name_;  // "add.Tensor": the stash must name this op
   std::string codes_;
   PyObject* python_kernel_;
   bool inplace_;
@@ -510,11 +511,11 @@ class HotKernel final : public c10::OperatorKernel {
 
 extern "C" {
 
-// storage_class, array_type, stash_module, take_entry: see Config; off_when: a list of
+// storage_class, array_type, stash, take_entry: see Config; off_when: a list of
 // (module, attribute name) pairs, any of them true sends every call to the Python kernel;
 // model: a pjrt tensor as the Python backend makes them (its storage's allocator is taken).
 // Returns 0, or -1 with a Python error set.
-int torchpjrt_hot_configure(PyObject* storage_class, PyObject* array_type, PyObject* stash_module,
+int torchpjrt_hot_configure(PyObject* storage_class, PyObject* array_type, PyObject* stash,
                             PyObject* take_entry, PyObject* off_when, PyObject* model) {
   if (!THPVariable_Check(model)) {
     PyErr_SetString(PyExc_TypeError, "model must be a tensor");
@@ -524,9 +525,9 @@ int torchpjrt_hot_configure(PyObject* storage_class, PyObject* array_type, PyObj
   c->allocator = THPVariable_Unpack(model).storage().allocator();
   c->storage_class = storage_class;
   c->array_type = array_type;
-  c->stash_module = stash_module;
+  c->stash = stash;
   c->take_entry = take_entry;
-  for (PyObject* o : {storage_class, array_type, stash_module, take_entry}) Py_INCREF(o);
+  for (PyObject* o : {storage_class, array_type, stash, take_entry}) Py_INCREF(o);
   PyObject* seq = PySequence_Fast(off_when, "off_when must be a sequence");
   if (seq == nullptr) return -1;
   for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
@@ -568,7 +569,7 @@ int torchpjrt_hot_register(const char* name, const char* codes, PyObject* python
       registration = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1,
                                                       __FILE__, __LINE__);
     registration->impl(name, torch::CppFunction::makeFromBoxedFunctor(
-                                 std::make_unique<HotKernel>(codes, python_kernel, inplace != 0)));
+                                 std::make_unique<HotKernel>(name, codes, python_kernel, inplace != 0)));
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return -1;
