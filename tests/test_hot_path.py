@@ -117,20 +117,43 @@ def test_static_arguments_are_part_of_the_key():
 
 
 @needs_hot_path
+def test_views_as_arguments_are_keyed_by_their_geometry():
+    base = torch.randn(6, 8, device="pjrt")
+    cpu = base.cpu()
+    calls = [lambda b: b.t() + 1.5, lambda b: b[2:] * 2.0, lambda b: b[:, 1::3].exp(), lambda b: b[1] - b[4],
+             lambda b: b.t() @ b, lambda b: b[:3].t().mm(b[3:]), lambda b: b[:, :1].expand(6, 5) * 3.0,
+             lambda b: b.diagonal().sum(), lambda b: torch.addmm(b[0, :3], b[:2, :4], b[:4, 4:7]),
+             lambda b: b.unsqueeze(0).transpose(1, 2).softmax(-1)]
+    for round in range(3):
+        for i, f in enumerate(calls):
+            got, n = served(lambda: f(base))
+            want = f(cpu)
+            torch.testing.assert_close(got.cpu(), want)
+            assert got.stride() == want.stride()
+            if round:
+                # b.t() + 1.5 is laid out as its input (strides (1, 8)): the Python kernel's own
+                assert n == (0 if i == 0 else 1), i
+    # rows read one at a time (a KV cache's pattern): one program for every row, each served
+    for round in range(2):
+        for r in range(6):
+            got, n = served(lambda: base[r] * 0.5)
+            torch.testing.assert_close(got.cpu(), cpu[r] * 0.5)
+            assert n == 1 or round == 0
+
+
+@needs_hot_path
 def test_what_it_cannot_key_goes_to_the_python_kernel():
     base = torch.randn(6, 8, device="pjrt")
     cpu = base.cpu()
     for _ in range(3):
-        # views (transposed, offset, strided) and host scalars: served by the Python kernels
-        (out, n) = served(lambda: base.t() + 1.5)
-        assert n == 0
-        torch.testing.assert_close(out.cpu(), cpu.t() + 1.5)
-        out, n = served(lambda: base[2:] * 2.0)
-        assert n == 0
-        torch.testing.assert_close(out.cpu(), cpu[2:] * 2.0)
         out, n = served(lambda: base + torch.tensor(2.0))  # a CPU scalar tensor
         assert n == 0
         torch.testing.assert_close(out.cpu(), cpu + 2.0)
+        view = base[1]
+        out, n = served(lambda: view.add_(1.0))  # a view as in-place target: scattered into its storage
+        cpu[1].add_(1.0)
+        assert n == 0 and out is view
+    torch.testing.assert_close(base.cpu(), cpu)
     # a storage not written yet (empty()): the Python kernel materializes it
     e = torch.empty(3, device="pjrt")
     out, n = served(lambda: e + 1)

@@ -106,6 +106,7 @@ def eager_stats() -> dict:
     """Ops dispatched, graphs compiled, cache hits/misses, compile seconds, flush reasons."""
     from . import dispatch, hot_path
 
+    fusion.settle_hot_calls()
     s = fusion.stats
     return {
         "mode": _mode,

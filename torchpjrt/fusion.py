@@ -77,6 +77,9 @@ _passthrough_left = 0  # ops still to run at once
 records_ops = False
 _hot_calls_at = 0  # the hot path's call count when a flush-heavy region's count was last settled
 hot_calls = int  # the hot path's call count (hot_path.calls once it is loaded; 0 until then)
+# tells the hot path how many more ops it may serve before the Python kernels must run one (-1:
+# no limit): a flush-heavy region ends at a Python kernel's op (hot_path.set_budget once loaded)
+hot_budget = id
 _passthrough_next = 0  # the length of the next stretch run at once (0: passthrough_ops)
 _outcomes = []  # per recent flush (at most passthrough_window): (ran a compiled graph, ops)
 DISPATCH_SECONDS_PER_OP = 15e-6  # what running a recorded op by its own kernel costs the host
@@ -415,23 +418,37 @@ def flush(reason: str) -> None:
 def _pass_through() -> bool:
     """Whether this op runs at once (a flush-heavy region; see the module's docstring). Never
     while ops are pending: a region starts right after a flush."""
-    global _passthrough_left, _hot_calls_at
+    global _passthrough_left
     if _graph.nodes:
         return False
-    # the ops the hot path ran meanwhile (it serves a region's ops too) count against the region
+    settle_hot_calls()
+    if _passthrough_left:
+        _passthrough_left -= 1
+        if not _passthrough_left:
+            stats["passthrough_ends"] += 1
+        _sync_records_ops()
+    stats["ops_passed_through"] += 1
+    return True
+
+
+def settle_hot_calls():
+    """Count the ops the hot path served in a flush-heavy region (it runs a region's ops too)
+    against the region, at its Python kernels' ops and when the stats are read."""
+    global _passthrough_left, _hot_calls_at
     served = hot_calls() - _hot_calls_at
     _hot_calls_at += served
-    _passthrough_left = max(_passthrough_left - 1 - served, 0)
-    if not _passthrough_left:
-        stats["passthrough_ends"] += 1
+    if served and _passthrough_left:
+        _passthrough_left = max(_passthrough_left - served, 0)
+        stats["ops_passed_through"] += served
+        if not _passthrough_left:
+            stats["passthrough_ends"] += 1
         _sync_records_ops()
-    stats["ops_passed_through"] += 1 + served
-    return True
 
 
 def _sync_records_ops():
     global records_ops
     records_ops = _recording and not _passthrough_left
+    hot_budget(_passthrough_left if _recording and _passthrough_left else -1)
 
 
 def _computed(args):

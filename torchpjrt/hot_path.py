@@ -1,10 +1,11 @@
 """Strict mode's hot path: the compiled helper's kernel (csrc/hot_ops.cpp) for functional ops
 with one tensor result, registered in place of their Python kernels.
 
-The C++ kernel keys each call by its arguments (whole contiguous pjrt tensors, numbers, static
-arguments) and, for a key the Python kernel has already served, calls the same compiled program
-and wraps its array as storage.wrap does. A call it cannot key (views, host tensors, a storage
-not computed yet), a new key, and every call while debug mode, fused mode's recording, a padded
+The C++ kernel keys each call by its arguments (pjrt tensors: dtype and sizes, and for a view its
+strides, offset and storage shape; numbers; static arguments) and, for a key the Python kernel
+has already served, calls the same compiled program and wraps its array as storage.wrap does. A
+call it cannot key (host tensors, a storage not computed yet, a view as an in-place target), a
+new key, and every call while debug mode, fused mode's recording, a padded
 storage or a second device is in use, runs the Python kernel (fused mode's flush-heavy regions,
 whose ops run at once, are served). The Python kernel tells it which program a call used
 (`stash.last_call`, read by `take_entry`); it is taken only for plain calls: a row-major result
@@ -20,6 +21,7 @@ import os
 import sys
 import threading
 
+import numpy as np
 import torch
 from jax._src.array import ArrayImpl
 
@@ -38,8 +40,9 @@ _TYPES = {"Tensor", "Optional[Tensor]", "number", "Optional[number]", "int", "Op
 _library = None  # the helper, opened so that its calls keep the GIL (ctypes.PyDLL)
 
 
-def take_entry(qualname):
-    """The compiled program of the call of aten::`qualname` that just ran, when it was plain;
+def take_entry(qualname, views):
+    """For the call of aten::`qualname` that just ran, when it was plain: (its compiled program,
+    per view argument in `views` whether the program took it with its offset as an argument);
     None otherwise (also when the call recorded was another op's)."""
     from .dispatch import _qualname
 
@@ -52,11 +55,17 @@ def take_entry(qualname):
         # (a whole-storage write that needed no cast, broadcast or placement)
         kernel, key, result, target = call
         st = getattr(target.untyped_storage(), "_pjrt", None)
-        return kernel.cache.get(key) if st is not None and st.array is result else None
-    kernel, key = call
-    if kernel.strides_for(key) is not None:
+        if st is None or st.array is not result:
+            return None
+    else:
+        kernel, key = call
+        if kernel.strides_for(key) is not None:
+            return None
+    program = kernel.cache.get(key)
+    if program is None:
         return None
-    return kernel.cache.get(key)
+    # as LoweredKernel.compute_keyed passes a view: (array, offset) where the offset is an argument
+    return program, tuple(storage.runtime_offset(v.untyped_storage()._pjrt, v) is not None for v in views)
 
 
 def wanted() -> bool:
@@ -75,7 +84,7 @@ def start():
     if lib is None or path is None or not hasattr(lib, "torchpjrt_hot_register"):
         return None
     py = ctypes.PyDLL(path)
-    py.torchpjrt_hot_configure.argtypes = [ctypes.py_object] * 6
+    py.torchpjrt_hot_configure.argtypes = [ctypes.py_object] * 7
     py.torchpjrt_hot_configure.restype = ctypes.c_int
     py.torchpjrt_hot_register.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.py_object, ctypes.c_int]
     py.torchpjrt_hot_register.restype = ctypes.c_int
@@ -84,9 +93,12 @@ def start():
     off_when = [(eager, "debug_enabled"), (padding, "live"), (placement, "multi"), (fusion, "records_ops"),
                 (storage, "mesh_placements")]
     model = storage._create_empty((0,), torch.float32)
-    py.torchpjrt_hot_configure(storage.Storage, ArrayImpl, stash, take_entry, off_when, model)
+    py.torchpjrt_hot_configure(storage.Storage, ArrayImpl, stash, take_entry, off_when, model, np.int64)
+    py.torchpjrt_hot_budget.argtypes = [ctypes.c_longlong]
+    py.torchpjrt_hot_budget.restype = None
     _library = py
     fusion.hot_calls = calls
+    fusion.hot_budget = py.torchpjrt_hot_budget
     return py
 
 

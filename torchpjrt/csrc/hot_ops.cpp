@@ -5,15 +5,15 @@
 // looks up the op's compiled program, calls it and wraps its array as a new tensor. Past the
 // program's own call (what raw jax.jit pays too), the trip into Python and those steps cost
 // about twice the call on the CPU platform. Registered for PrivateUse1 in place of the Python
-// kernel, this kernel does the same from C++ for the calls it recognizes: whole, contiguous pjrt
-// tensors whose storage holds a computed jax.Array, numbers and static arguments. It keys the
-// call by those, and on a key the Python kernel has already served (and reported as plain) it
+// kernel, this kernel does the same from C++ for the calls it recognizes: pjrt tensors whose
+// storage holds a computed jax.Array (whole, or views keyed by their geometry), numbers and
+// static arguments. It keys the call by those, and on a key the Python kernel has already served (and reported as plain) it
 // calls the same compiled program with the same arguments and wraps the result as the Python
 // kernel does (a storage object holding the array, an address of its own), or for an in-place
 // form hands it to the target's storage object (Storage.replace, as storage.write does for a
 // whole storage). Everything else
 // goes to the Python kernel: a first call, another eager mode, padded storages, several devices,
-// views and host tensors. So results are the Python kernel's, call for call.
+// host tensors. So results are the Python kernel's, call for call.
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/StorageImpl.h>
@@ -42,7 +42,8 @@ struct Config {
   PyObject* storage_class = nullptr;  // torchpjrt.storage.Storage(array, dtype)
   PyObject* array_type = nullptr;     // jax's concrete array type: anything else is not computed yet
   PyObject* stash = nullptr;          // per thread, `last_call`: set by the Python kernel's call
-  PyObject* take_entry = nullptr;     // (op name) -> the program of the call just made, or None
+  PyObject* take_entry = nullptr;     // (op name, view arguments) -> (program, offset forms) or None
+  PyObject* int64_type = nullptr;     // numpy.int64: a view's offset as the Python kernel passes it
   std::vector<std::pair<PyObject*, PyObject*>> off_when;  // (module dict, name): true -> Python kernel
   PyObject* name_pjrt = nullptr;
   PyObject* name_array = nullptr;
@@ -58,13 +59,24 @@ Config* config = nullptr;
 // will never reach, handed out the same way (256-byte aligned, never reused)
 std::atomic<uint64_t> next_address{(uint64_t{1} << 60) + (uint64_t{1} << 58)};
 std::atomic<int64_t> calls{0};
+// calls this kernel may still serve before a Python kernel must run one (-1: no limit): a
+// flush-heavy region of fused mode is counted in ops, and ends at a Python kernel's op
+std::atomic<int64_t> budget{-1};
 std::unique_ptr<torch::Library> registration;
 
 constexpr int64_t kNone = -1, kBool = -2, kOne = -3, kDynInt = -4, kOneFloat = -5, kDynFloat = -6, kInt = -7,
-                  kFloat = -8, kIntList = -9, kString = -10, kTensor = -11;
+                  kFloat = -8, kIntList = -9, kString = -10, kTensor = -11, kView = -12;
+
+// A view argument of one call: where its array is among the program's arguments, its offset.
+struct View {
+  int position;
+  int64_t offset;
+  const at::Tensor* tensor;
+};
 
 struct Entry {
   PyObject* program;      // the compiled function the Python kernel called for this key
+  std::vector<int> offset_positions;  // view arguments passed as (array, offset), as the Python kernel did
   c10::ScalarType dtype;  // of the result
   PyObject* dtype_object; // torch.dtype of the result, as the storage object records it
   std::vector<int64_t> sizes;
@@ -122,50 +134,56 @@ bool python_path_wanted() {
   return false;
 }
 
-// The array of a whole, contiguous pjrt tensor whose storage holds a computed jax.Array (a new
-// reference), or nullptr (no Python error left set). With `storage_object`, also the storage
-// object (a new reference there).
-PyObject* whole_array(const at::Tensor& t, PyObject** storage_object = nullptr) {
-  if (t.device().type() != c10::DeviceType::PrivateUse1 || t.storage_offset() != 0 || !t.is_contiguous())
-    return nullptr;
+// A pjrt tensor argument: its storage object and array (new references), when the storage holds
+// a computed jax.Array of the tensor's dtype; `whole`: the tensor is the whole storage
+// (contiguous, the storage's shape, offset 0), else a view whose geometry goes into the key.
+struct Held {
+  PyObject* storage = nullptr;
+  PyObject* array = nullptr;
+  bool whole = false;
+  std::vector<int64_t> storage_shape;
+  ~Held() {
+    Py_XDECREF(storage);
+    Py_XDECREF(array);
+  }
+};
+
+bool held(const at::Tensor& t, Held& h) {
+  if (t.device().type() != c10::DeviceType::PrivateUse1) return false;
   PyObject* py_storage = THPStorage_Wrap(t.storage());
   if (py_storage == nullptr) {
     PyErr_Clear();
-    return nullptr;
+    return false;
   }
-  PyObject* st = PyObject_GetAttr(py_storage, config->name_pjrt);
+  h.storage = PyObject_GetAttr(py_storage, config->name_pjrt);
   Py_DECREF(py_storage);
-  if (st == nullptr) {
+  if (h.storage == nullptr) {
     PyErr_Clear();
-    return nullptr;
+    return false;
   }
-  PyObject* array = PyObject_GetAttr(st, config->name_array);
-  PyObject* shape = PyObject_GetAttr(st, config->name_shape);
-  PyObject* dtype = PyObject_GetAttr(st, config->name_dtype);
-  bool ok = array != nullptr && shape != nullptr && dtype != nullptr &&
-            reinterpret_cast<PyObject*>(Py_TYPE(array)) == config->array_type &&
-            dtype == reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type())) && PyTuple_Check(shape) &&
-            PyTuple_GET_SIZE(shape) == t.dim();
+  h.array = PyObject_GetAttr(h.storage, config->name_array);
+  PyObject* shape = PyObject_GetAttr(h.storage, config->name_shape);
+  PyObject* dtype = PyObject_GetAttr(h.storage, config->name_dtype);
+  bool ok = h.array != nullptr && shape != nullptr && dtype != nullptr &&
+            reinterpret_cast<PyObject*>(Py_TYPE(h.array)) == config->array_type &&
+            dtype == reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type())) && PyTuple_Check(shape);
   if (ok) {
-    auto sizes = t.sizes();
-    for (int64_t d = 0; d < t.dim() && ok; d++) {
+    Py_ssize_t n = PyTuple_GET_SIZE(shape);
+    h.storage_shape.resize(n);
+    for (Py_ssize_t d = 0; d < n && ok; d++) {
       PyObject* s = PyTuple_GET_ITEM(shape, d);
-      ok = PyLong_CheckExact(s) && PyLong_AsLongLong(s) == sizes[d];
+      ok = PyLong_CheckExact(s);
+      h.storage_shape[d] = ok ? PyLong_AsLongLong(s) : 0;
     }
   }
   Py_XDECREF(shape);
   Py_XDECREF(dtype);
   if (!ok) {
     PyErr_Clear();
-    Py_XDECREF(array);
-    Py_DECREF(st);
-    return nullptr;
+    return false;
   }
-  if (storage_object != nullptr)
-    *storage_object = st;
-  else
-    Py_DECREF(st);
-  return array;
+  h.whole = t.storage_offset() == 0 && t.is_contiguous() && t.sizes().equals(h.storage_shape);
+  return true;
 }
 
 // A number argument the Python kernel treats as static when it is None, a bool or the int 1
@@ -244,10 +262,12 @@ class HotKernel final : public c10::OperatorKernel {
     key.reserve(24);
     Arguments dyn;
     PyObject* target = nullptr;  // an in-place op's storage object of its first argument
-    bool keyed = !python_path_wanted() && make_key(args, key, dyn, &target);
+    std::vector<View> views;
+    bool keyed = budget.load(std::memory_order_relaxed) != 0 && !python_path_wanted() &&
+                 make_key(args, key, dyn, &target, views);
     if (keyed) {
       auto it = table_.find(key);
-      if (it != table_.end()) {
+      if (it != table_.end() && with_offsets(it->second, dyn, views)) {
         bool done = false;
         c10::IValue out;
         if (inplace_) {
@@ -261,6 +281,7 @@ class HotKernel final : public c10::OperatorKernel {
         if (done) {
           Py_XDECREF(target);
           calls.fetch_add(1, std::memory_order_relaxed);
+          if (budget.load(std::memory_order_relaxed) > 0) budget.fetch_sub(1, std::memory_order_relaxed);
           torch::jit::drop(*stack, n);
           stack->emplace_back(std::move(out));
           return;
@@ -270,13 +291,14 @@ class HotKernel final : public c10::OperatorKernel {
     Py_XDECREF(target);
     if (keyed && PyObject_SetAttr(config->stash, config->name_last_call, Py_None) != 0) PyErr_Clear();
     at::Tensor out = call_python(op, args);
-    if (keyed) learn(std::move(key), out);
+    if (keyed) learn(std::move(key), out, views);
     torch::jit::drop(*stack, n);
     stack->emplace_back(std::move(out));
   }
 
  private:
-  bool make_key(c10::ArrayRef<c10::IValue> args, std::vector<int64_t>& key, Arguments& dyn, PyObject** target) {
+  bool make_key(c10::ArrayRef<c10::IValue> args, std::vector<int64_t>& key, Arguments& dyn, PyObject** target,
+                std::vector<View>& views) {
     for (size_t i = 0; i < codes_.size(); i++) {
       const c10::IValue& v = args[i];
       switch (codes_[i]) {
@@ -318,11 +340,28 @@ class HotKernel final : public c10::OperatorKernel {
             }
             continue;
           }
-          if (!dyn.push(whole_array(t, inplace_ && i == 0 ? target : nullptr))) return false;
+          Held h;
+          if (!held(t, h)) return false;
+          if (inplace_ && i == 0) {
+            if (!h.whole) return false;  // a view target: the Python kernel scatters into its storage
+            Py_INCREF(h.storage);
+            *target = h.storage;
+          }
+          Py_INCREF(h.array);
+          if (!dyn.push(h.array)) return false;
           key.push_back(kTensor);
           key.push_back(static_cast<int64_t>(t.scalar_type()));
           key.push_back(t.dim());
           for (int64_t s : t.sizes()) key.push_back(s);
+          if (!h.whole) {
+            // a view: its geometry over its storage fixes the strided read compiled into the program
+            key.push_back(kView);
+            for (int64_t s : t.strides()) key.push_back(s);
+            key.push_back(t.storage_offset());
+            key.push_back(static_cast<int64_t>(h.storage_shape.size()));
+            for (int64_t s : h.storage_shape) key.push_back(s);
+            views.push_back(View{dyn.n - 1, t.storage_offset(), &t});
+          }
           break;
         }
         case 'n':
@@ -380,6 +419,28 @@ class HotKernel final : public c10::OperatorKernel {
     return t;
   }
 
+  // The view arguments the program takes with their offset (storage.runtime_offset), as tuples.
+  static bool with_offsets(const Entry& e, Arguments& dyn, const std::vector<View>& views) {
+    for (int position : e.offset_positions) {
+      const View* view = nullptr;
+      for (const View& v : views)
+        if (v.position == position) view = &v;
+      if (view == nullptr) return false;
+      PyObject* offset = PyLong_FromLongLong(view->offset);
+      PyObject* typed = offset != nullptr ? PyObject_CallOneArg(config->int64_type, offset) : nullptr;
+      Py_XDECREF(offset);
+      PyObject* pair = typed != nullptr ? PyTuple_Pack(2, dyn.items[position], typed) : nullptr;
+      Py_XDECREF(typed);
+      if (pair == nullptr) {
+        PyErr_Clear();
+        return false;
+      }
+      Py_DECREF(dyn.items[position]);
+      dyn.items[position] = pair;
+    }
+    return true;
+  }
+
   // The program's result given to `target` (the written argument's storage object); false when
   // anything is not as the Python kernel left it.
   bool run_inplace(const Entry& e, Arguments& dyn, PyObject* target) {
@@ -402,14 +463,37 @@ class HotKernel final : public c10::OperatorKernel {
 
   // After a Python kernel call made with `key`: remember its program when it reported the call
   // as plain (dispatch's single-result kernel, row-major result) and the result is as run() makes.
-  void learn(std::vector<int64_t> key, const at::Tensor& out) {
-    PyObject* program = name_ != nullptr ? PyObject_CallOneArg(config->take_entry, name_) : nullptr;
-    if (program == nullptr) {
+  void learn(std::vector<int64_t> key, const at::Tensor& out, const std::vector<View>& views) {
+    PyObject* view_tensors = PyTuple_New(static_cast<Py_ssize_t>(views.size()));
+    if (view_tensors == nullptr) {
       PyErr_Clear();
       return;
     }
+    for (size_t j = 0; j < views.size(); j++) PyTuple_SET_ITEM(view_tensors, j, THPVariable_Wrap(*views[j].tensor));
+    PyObject* found = name_ != nullptr ? PyObject_CallFunctionObjArgs(config->take_entry, name_, view_tensors, nullptr)
+                                       : nullptr;
+    Py_DECREF(view_tensors);
+    if (found == nullptr) {
+      PyErr_Clear();
+      return;
+    }
+    // (program, per view: whether it was passed with its offset), or None
+    std::vector<int> offset_positions;
+    PyObject* program = Py_None;
+    if (found != Py_None) {
+      PyObject* forms = PyTuple_Check(found) && PyTuple_GET_SIZE(found) == 2 ? PyTuple_GET_ITEM(found, 1) : nullptr;
+      if (forms == nullptr || !PyTuple_Check(forms) || PyTuple_GET_SIZE(forms) != static_cast<Py_ssize_t>(views.size())) {
+        Py_DECREF(found);
+        return;
+      }
+      for (size_t j = 0; j < views.size(); j++)
+        if (PyTuple_GET_ITEM(forms, j) == Py_True) offset_positions.push_back(views[j].position);
+      program = PyTuple_GET_ITEM(found, 0);
+    }
+    Py_INCREF(program);
+    Py_DECREF(found);
     if (program != Py_None && inplace_) {  // the result is the written argument: nothing to make
-      table_.emplace(std::move(key), Entry{program, out.scalar_type(), nullptr, {}, 0});
+      table_.emplace(std::move(key), Entry{program, std::move(offset_positions), out.scalar_type(), nullptr, {}, 0});
       return;
     }
     if (program == Py_None || !out.defined() || out.device().type() != c10::DeviceType::PrivateUse1 ||
@@ -420,7 +504,7 @@ class HotKernel final : public c10::OperatorKernel {
     }
     PyObject* dtype_object = reinterpret_cast<PyObject*>(torch::getTHPDtype(out.scalar_type()));
     Py_INCREF(dtype_object);
-    table_.emplace(std::move(key), Entry{program, out.scalar_type(), dtype_object, out.sizes().vec(),
+    table_.emplace(std::move(key), Entry{program, std::move(offset_positions), out.scalar_type(), dtype_object, out.sizes().vec(),
                                          static_cast<int64_t>(out.numel()) * static_cast<int64_t>(out.element_size())});
   }
 
@@ -513,10 +597,11 @@ extern "C" {
 
 // storage_class, array_type, stash, take_entry: see Config; off_when: a list of
 // (module, attribute name) pairs, any of them true sends every call to the Python kernel;
-// model: a pjrt tensor as the Python backend makes them (its storage's allocator is taken).
+// model: a pjrt tensor as the Python backend makes them (its storage's allocator is taken);
+// int64_type: see Config.
 // Returns 0, or -1 with a Python error set.
 int torchpjrt_hot_configure(PyObject* storage_class, PyObject* array_type, PyObject* stash,
-                            PyObject* take_entry, PyObject* off_when, PyObject* model) {
+                            PyObject* take_entry, PyObject* off_when, PyObject* model, PyObject* int64_type) {
   if (!THPVariable_Check(model)) {
     PyErr_SetString(PyExc_TypeError, "model must be a tensor");
     return -1;
@@ -527,6 +612,8 @@ int torchpjrt_hot_configure(PyObject* storage_class, PyObject* array_type, PyObj
   c->array_type = array_type;
   c->stash = stash;
   c->take_entry = take_entry;
+  c->int64_type = int64_type;
+  Py_INCREF(int64_type);
   for (PyObject* o : {storage_class, array_type, stash, take_entry}) Py_INCREF(o);
   PyObject* seq = PySequence_Fast(off_when, "off_when must be a sequence");
   if (seq == nullptr) return -1;
@@ -576,6 +663,9 @@ int torchpjrt_hot_register(const char* name, const char* codes, PyObject* python
   }
   return 0;
 }
+
+// See `budget`.
+void torchpjrt_hot_budget(long long n) { budget.store(n); }
 
 // Calls served here since the last reset (counted with the Python kernels' dispatches).
 long long torchpjrt_hot_calls(int reset) {
