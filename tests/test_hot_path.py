@@ -321,3 +321,28 @@ def test_fused_modes_flush_heavy_regions_are_served_and_counted():
     assert n >= 20  # `* 2` of each round at least (`d[:n]` is a view: its neg goes to Python)
     # settled at each Python-kernel op (each neg): without the hot calls about 20 would count
     assert after["ops_passed_through"] - before["ops_passed_through"] >= n
+
+
+@needs_hot_path
+def test_a_flush_heavy_region_ends_after_its_count_when_every_op_is_served(monkeypatch):
+    from torchpjrt import fusion
+
+    monkeypatch.setattr(fusion, "passthrough_window", 4)
+    monkeypatch.setattr(fusion, "passthrough_ops", 30)
+    x = torch.arange(24.0, device="pjrt").reshape(4, 6)
+    y = x * 1.0
+    (y.tanh() * 0.5).tanh()  # the programs below, learned in strict mode
+    with torchpjrt.eager_mode("fused"):
+        for n in range(1, 6):  # host reads of new shapes: a flush-heavy region starts
+            x[:n].neg().sum().item()
+        before = torchpjrt.eager_stats()
+        assert before["passthrough_regions"] >= 1 and fusion._passthrough_left
+        for _ in range(40):
+            y = y.tanh() * 0.5  # every op served by the hot path
+        after = torchpjrt.eager_stats()
+        assert fusion.stats["passthrough_ends"] > 0 and not fusion._passthrough_left
+        assert after["ops_pending"] > 0  # recording again
+    expected = torch.arange(24.0).reshape(4, 6)
+    for _ in range(40):
+        expected = expected.tanh() * 0.5
+    torch.testing.assert_close(y.cpu(), expected)
