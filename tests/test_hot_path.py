@@ -346,3 +346,32 @@ def test_a_flush_heavy_region_ends_after_its_count_when_every_op_is_served(monke
     for _ in range(40):
         expected = expected.tanh() * 0.5
     torch.testing.assert_close(y.cpu(), expected)
+
+
+@needs_hot_path
+def test_ops_with_several_results():
+    x = torch.randn(4, 6, device="pjrt")
+    xc = x.cpu()
+    calls = [lambda m, v: m.max(v, 1), lambda m, v: m.var_mean(v, 0), lambda m, v: m.sort(v, 1),
+             lambda m, v: m.topk(v, 2), lambda m, v: m.aminmax(v, dim=0), lambda m, v: m.std_mean(v[1:], 1)]
+    for round in range(3):
+        for i, f in enumerate(calls):
+            got, n = served(lambda: f(torch, x))
+            want = f(torch, xc)
+            for g, w in zip(got, want):
+                assert g.dtype == w.dtype and g.shape == w.shape
+                torch.testing.assert_close(g.cpu(), w)
+            assert got[0].data_ptr() != got[1].data_ptr()
+            if round and i in (0, 1, 2, 3):
+                assert n == 1, i
+    # layer norm's forward (three results) and backward (results left out by its mask: Python)
+    w = torch.randn(6, device="pjrt", requires_grad=True)
+    wc = w.detach().cpu().requires_grad_()
+    for _ in range(3):
+        w.grad = None
+        F.layer_norm(x, (6,), w).sum().backward()
+    F.layer_norm(xc, (6,), wc).sum().backward()
+    torch.testing.assert_close(w.grad.cpu(), wc.grad)
+    got, n = served(lambda: F.layer_norm(x, (6,), w.detach()))
+    assert n == 1
+    torch.testing.assert_close(got.cpu(), F.layer_norm(xc, (6,), wc.detach()))

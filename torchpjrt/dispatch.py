@@ -769,6 +769,7 @@ def make_functional_kernel(op, lowering):
         def kernel(*args, **kwargs):
             vals = sig.values(args, kwargs)
             outs, key = k.compute_keyed(vals)
+            hot_path.stash.last_call = (k, key)  # the hot kernel may replay it (if its results are plain)
             return _wrap_outputs(schema, outs, vals, sig, strides=k.strides_for(key))
 
         return kernel
@@ -1668,7 +1669,7 @@ def register():
         if code is None:
             lib.impl(_qualname(op), kernel, "PrivateUse1")
         else:
-            hot_path.register(_qualname(op), code, kernel)  # the C++ kernel calls `kernel` for what it does not serve
+            hot_path.register(op, _qualname(op), code, kernel)  # the C++ kernel calls `kernel` for what it does not serve
         for derived in derived_overloads(op):
             if _qualname(derived) in SPECIAL_KERNELS or _is_composite_implicit(derived):
                 continue
@@ -1680,7 +1681,7 @@ def register():
             if code is None:
                 lib.impl(_qualname(derived), kernel, "PrivateUse1")
             else:
-                hot_path.register(_qualname(derived), code, kernel, inplace=True)
+                hot_path.register(derived, _qualname(derived), code, kernel, inplace=True)
     fb = torch.library.Library("_", "IMPL")
     _libs.append(fb)
     import torchpjrt_autoload

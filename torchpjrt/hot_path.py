@@ -1,5 +1,5 @@
 """Strict mode's hot path: the compiled helper's kernel (csrc/hot_ops.cpp) for functional ops
-with one tensor result, registered in place of their Python kernels.
+that return tensors, and their in-place forms, registered in place of their Python kernels.
 
 The C++ kernel keys each call by its arguments (pjrt tensors: dtype and sizes, and for a view its
 strides, offset and storage shape; numbers; static arguments) and, for a key the Python kernel
@@ -8,8 +8,8 @@ call it cannot key (host tensors, a storage not computed yet, a view as an in-pl
 new key, and every call while debug mode, fused mode's recording, a padded
 storage or a second device is in use, runs the Python kernel (fused mode's flush-heavy regions,
 whose ops run at once, are served). The Python kernel tells it which program a call used
-(`stash.last_call`, read by `take_entry`); it is taken only for plain calls: a row-major result
-of the single-result kernel, a whole-storage write of an in-place form.
+(`stash.last_call`, read by `take_entry`); it is taken only for plain calls: row-major results
+of a functional kernel, a whole-storage write of an in-place form.
 
 It is registered when torchpjrt registers its kernels and the helper is already built (the
 first process on a machine builds it in the background and runs the Python kernels);
@@ -28,8 +28,8 @@ from jax._src.array import ArrayImpl
 from . import eager, fusion, native, padding, placement, storage
 
 # per thread (a kernel call releases the GIL while JAX runs it: another thread's call may come in
-# between), `last_call`: the latest call of the single-result kernel (LoweredKernel, key), or of
-# an in-place form (LoweredKernel, key, the program's result, the written tensor); dispatch sets it
+# between), `last_call`: the latest call of a functional kernel (LoweredKernel, key), or of an
+# in-place form (LoweredKernel, key, the program's result, the written tensor); dispatch sets it
 stash = threading.local()
 
 # schema argument types the C++ kernel can key or hand back to Python
@@ -86,7 +86,7 @@ def start():
     py = ctypes.PyDLL(path)
     py.torchpjrt_hot_configure.argtypes = [ctypes.py_object] * 7
     py.torchpjrt_hot_configure.restype = ctypes.c_int
-    py.torchpjrt_hot_register.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.py_object, ctypes.c_int]
+    py.torchpjrt_hot_register.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.py_object, ctypes.c_int, ctypes.c_int]
     py.torchpjrt_hot_register.restype = ctypes.c_int
     py.torchpjrt_hot_calls.argtypes = [ctypes.c_int]
     py.torchpjrt_hot_calls.restype = ctypes.c_longlong
@@ -110,16 +110,15 @@ def codes(op, lowering, sig, kinds, has_call_check, inplace=False) -> str | None
 
     schema = op._schema
     if (lowering.mutates or lowering.random or lowering.dynamic_shape or lowering.check is not None
-            or has_call_check or "device" in sig.names or op in padding.PRODUCERS
-            or len(schema.returns) != 1 or str(schema.returns[0].type) != "Tensor"):
+            or has_call_check or "device" in sig.names or op in padding.PRODUCERS or not schema.returns
+            or any(str(r.type) != "Tensor" for r in schema.returns)):
         return None
-    ret = schema.returns[0].alias_info
     if inplace:
-        first = schema.arguments[0].alias_info
-        if ret is None or not ret.is_write or first is None or not first.is_write or schema.arguments[0].kwarg_only \
-                or any(a.alias_info is not None for a in schema.arguments[1:]):
+        ret, first = schema.returns[0].alias_info, schema.arguments[0].alias_info
+        if len(schema.returns) != 1 or ret is None or not ret.is_write or first is None or not first.is_write \
+                or schema.arguments[0].kwarg_only or any(a.alias_info is not None for a in schema.arguments[1:]):
             return None
-    elif ret is not None:
+    elif any(r.alias_info is not None for r in schema.returns):
         return None
     out = []
     for i, (arg, kind) in enumerate(zip(schema.arguments, kinds)):
@@ -136,8 +135,9 @@ def codes(op, lowering, sig, kinds, has_call_check, inplace=False) -> str | None
     return "".join(out)
 
 
-def register(qualname, code, python_kernel, inplace=False) -> None:
-    if _library.torchpjrt_hot_register(qualname.encode(), code.encode(), python_kernel, int(inplace)) != 0:
+def register(op, qualname, code, python_kernel, inplace=False) -> None:
+    n_returns = len(op._schema.returns)
+    if _library.torchpjrt_hot_register(qualname.encode(), code.encode(), python_kernel, int(inplace), n_returns) != 0:
         raise RuntimeError(f"torchpjrt: registering the hot kernel of {qualname} failed")
 
 

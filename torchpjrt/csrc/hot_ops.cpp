@@ -1,19 +1,19 @@
-// Strict mode's hot path: functional ops with one tensor result and their in-place forms
+// Strict mode's hot path: functional ops that return tensors and their in-place forms
 // (`a.add_(b)`), called again with a signature the Python kernel has already run.
 //
 // torchpjrt's Python kernel for such an op normalizes the arguments, builds a signature key,
-// looks up the op's compiled program, calls it and wraps its array as a new tensor. Past the
+// looks up the op's compiled program, calls it and wraps its arrays as new tensors. Past the
 // program's own call (what raw jax.jit pays too), the trip into Python and those steps cost
 // about twice the call on the CPU platform. Registered for PrivateUse1 in place of the Python
 // kernel, this kernel does the same from C++ for the calls it recognizes: pjrt tensors whose
 // storage holds a computed jax.Array (whole, or views keyed by their geometry), numbers and
-// static arguments. It keys the call by those, and on a key the Python kernel has already served (and reported as plain) it
-// calls the same compiled program with the same arguments and wraps the result as the Python
-// kernel does (a storage object holding the array, an address of its own), or for an in-place
-// form hands it to the target's storage object (Storage.replace, as storage.write does for a
-// whole storage). Everything else
-// goes to the Python kernel: a first call, another eager mode, padded storages, several devices,
-// host tensors. So results are the Python kernel's, call for call.
+// static arguments. It keys the call by those, and on a key the Python kernel has already
+// served (and reported as plain) it calls the same compiled program with the same arguments
+// and wraps the results as the Python kernel does (a storage object holding the array, an
+// address of its own), or for an in-place form hands the result to the target's storage
+// object (Storage.replace, as storage.write does for a whole storage). Everything else goes to
+// the Python kernel: a first call, another eager mode, padded storages, several devices, host
+// tensors. So results are the Python kernel's, call for call.
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/StorageImpl.h>
@@ -74,13 +74,18 @@ struct View {
   const at::Tensor* tensor;
 };
 
-struct Entry {
-  PyObject* program;      // the compiled function the Python kernel called for this key
-  std::vector<int> offset_positions;  // view arguments passed as (array, offset), as the Python kernel did
-  c10::ScalarType dtype;  // of the result
-  PyObject* dtype_object; // torch.dtype of the result, as the storage object records it
+// One result of a functional op: what its new tensor is made of.
+struct Result {
+  c10::ScalarType dtype;
+  PyObject* dtype_object;  // torch.dtype, as the storage object records it
   std::vector<int64_t> sizes;
   int64_t nbytes;
+};
+
+struct Entry {
+  PyObject* program;  // the compiled function the Python kernel called for this key
+  std::vector<int> offset_positions;  // view arguments passed as (array, offset), as the Python kernel did
+  std::vector<Result> results;  // none for an in-place form
 };
 
 struct KeyHash {
@@ -249,8 +254,9 @@ class HotKernel final : public c10::OperatorKernel {
   // the lowering wants static, 's' static argument.
   // inplace: the op writes its first argument and returns it (its result replaces that
   // argument's storage array).
-  HotKernel(const char* name, std::string codes, PyObject* python_kernel, bool inplace)
-      : name_(PyUnicode_FromString(name)), codes_(std::move(codes)), python_kernel_(python_kernel), inplace_(inplace) {
+  HotKernel(const char* name, std::string codes, PyObject* python_kernel, bool inplace, int n_returns)
+      : name_(PyUnicode_FromString(name)), codes_(std::move(codes)), python_kernel_(python_kernel), inplace_(inplace),
+        n_returns_(n_returns) {
     Py_INCREF(python_kernel_);
   }
 
@@ -268,32 +274,29 @@ class HotKernel final : public c10::OperatorKernel {
     if (keyed) {
       auto it = table_.find(key);
       if (it != table_.end() && with_offsets(it->second, dyn, views)) {
-        bool done = false;
-        c10::IValue out;
-        if (inplace_) {
-          done = run_inplace(it->second, dyn, target);
-          if (done) out = args[0];
-        } else {
-          at::Tensor t = run(it->second, dyn);
-          done = t.defined();
-          out = std::move(t);
-        }
+        std::vector<at::Tensor> results;
+        bool done = inplace_ ? run_inplace(it->second, dyn, target) : run(it->second, dyn, results);
         if (done) {
           Py_XDECREF(target);
           calls.fetch_add(1, std::memory_order_relaxed);
           if (budget.load(std::memory_order_relaxed) > 0) budget.fetch_sub(1, std::memory_order_relaxed);
+          c10::IValue self = inplace_ ? args[0] : c10::IValue();
           torch::jit::drop(*stack, n);
-          stack->emplace_back(std::move(out));
+          if (inplace_) {
+            stack->emplace_back(std::move(self));
+          } else {
+            for (auto& t : results) stack->emplace_back(std::move(t));
+          }
           return;
         }
       }
     }
     Py_XDECREF(target);
     if (keyed && PyObject_SetAttr(config->stash, config->name_last_call, Py_None) != 0) PyErr_Clear();
-    at::Tensor out = call_python(op, args);
+    std::vector<at::Tensor> out = call_python(op, args);
     if (keyed) learn(std::move(key), out, views);
     torch::jit::drop(*stack, n);
-    stack->emplace_back(std::move(out));
+    for (auto& t : out) stack->emplace_back(std::move(t));
   }
 
  private:
@@ -378,36 +381,43 @@ class HotKernel final : public c10::OperatorKernel {
     return true;
   }
 
-  // The program's result as a new pjrt tensor, or an undefined tensor when anything is not as
-  // the Python kernel left it (the Python kernel then runs the call and says why).
-  at::Tensor run(const Entry& e, Arguments& dyn) {
+  // The program's results as new pjrt tensors in `out`; false when anything is not as the
+  // Python kernel left it (the Python kernel then runs the call and says why).
+  bool run(const Entry& e, Arguments& dyn, std::vector<at::Tensor>& out) {
     PyObject* result = PyObject_Vectorcall(e.program, dyn.items, dyn.n, nullptr);
     if (result == nullptr) {
       PyErr_Clear();
-      return at::Tensor();
+      return false;
     }
-    PyObject* array = PyTuple_Check(result) && PyTuple_GET_SIZE(result) >= 1 ? PyTuple_GET_ITEM(result, 0) : nullptr;
-    if (array == nullptr || reinterpret_cast<PyObject*>(Py_TYPE(array)) != config->array_type) {
-      Py_DECREF(result);
-      return at::Tensor();
+    bool ok = PyTuple_Check(result) && PyTuple_GET_SIZE(result) >= static_cast<Py_ssize_t>(e.results.size());
+    for (size_t i = 0; ok && i < e.results.size(); i++) {
+      at::Tensor t = wrap(PyTuple_GET_ITEM(result, i), e.results[i]);
+      ok = t.defined();
+      out.push_back(std::move(t));
     }
-    PyObject* new_args[2] = {array, e.dtype_object};
-    PyObject* st = PyObject_Vectorcall(config->storage_class, new_args, 2, nullptr);
     Py_DECREF(result);
+    return ok;
+  }
+
+  // `array` as a new pjrt tensor (storage.wrap), or an undefined tensor.
+  static at::Tensor wrap(PyObject* array, const Result& r) {
+    if (reinterpret_cast<PyObject*>(Py_TYPE(array)) != config->array_type) return at::Tensor();
+    PyObject* new_args[2] = {array, r.dtype_object};
+    PyObject* st = PyObject_Vectorcall(config->storage_class, new_args, 2, nullptr);
     if (st == nullptr) {
       PyErr_Clear();
       return at::Tensor();
     }
     uint64_t address = 0;
-    if (e.nbytes) address = next_address.fetch_add((static_cast<uint64_t>(e.nbytes) + 255) / 256 * 256);
+    if (r.nbytes) address = next_address.fetch_add((static_cast<uint64_t>(r.nbytes) + 255) / 256 * 256);
     c10::Storage storage(c10::make_intrusive<c10::StorageImpl>(
-        c10::StorageImpl::use_byte_size_t(), e.nbytes,
+        c10::StorageImpl::use_byte_size_t(), r.nbytes,
         c10::DataPtr(reinterpret_cast<void*>(address), c10::Device(c10::DeviceType::PrivateUse1, 0)),
         config->allocator, /*resizable=*/config->allocator != nullptr));
     at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage),
                                                             c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
-                                                            caffe2::TypeMeta::fromScalarType(e.dtype));
-    t.unsafeGetTensorImpl()->set_sizes_contiguous(e.sizes);
+                                                            caffe2::TypeMeta::fromScalarType(r.dtype));
+    t.unsafeGetTensorImpl()->set_sizes_contiguous(r.sizes);
     PyObject* py_storage = THPStorage_Wrap(t.storage());
     bool ok = py_storage != nullptr && PyObject_SetAttr(py_storage, config->name_pjrt, st) == 0;
     Py_XDECREF(py_storage);
@@ -462,8 +472,8 @@ class HotKernel final : public c10::OperatorKernel {
   }
 
   // After a Python kernel call made with `key`: remember its program when it reported the call
-  // as plain (dispatch's single-result kernel, row-major result) and the result is as run() makes.
-  void learn(std::vector<int64_t> key, const at::Tensor& out, const std::vector<View>& views) {
+  // as plain (row-major results of a functional kernel) and the results are as run() makes.
+  void learn(std::vector<int64_t> key, const std::vector<at::Tensor>& out, const std::vector<View>& views) {
     PyObject* view_tensors = PyTuple_New(static_cast<Py_ssize_t>(views.size()));
     if (view_tensors == nullptr) {
       PyErr_Clear();
@@ -493,19 +503,27 @@ class HotKernel final : public c10::OperatorKernel {
     Py_INCREF(program);
     Py_DECREF(found);
     if (program != Py_None && inplace_) {  // the result is the written argument: nothing to make
-      table_.emplace(std::move(key), Entry{program, std::move(offset_positions), out.scalar_type(), nullptr, {}, 0});
+      table_.emplace(std::move(key), Entry{program, std::move(offset_positions), {}});
       return;
     }
-    if (program == Py_None || !out.defined() || out.device().type() != c10::DeviceType::PrivateUse1 ||
-        out.device().index() > 0 || !out.is_contiguous() || out.storage_offset() != 0 ||
-        out.storage().nbytes() != static_cast<size_t>(out.numel()) * out.element_size()) {
+    std::vector<Result> results;
+    bool plain = program != Py_None;
+    for (const at::Tensor& t : out) {
+      plain = plain && t.defined() && t.device().type() == c10::DeviceType::PrivateUse1 && t.device().index() <= 0 &&
+              t.is_contiguous() && t.storage_offset() == 0 &&
+              t.storage().nbytes() == static_cast<size_t>(t.numel()) * t.element_size();
+      if (!plain) break;
+      PyObject* dtype_object = reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type()));
+      Py_INCREF(dtype_object);
+      results.push_back(Result{t.scalar_type(), dtype_object, t.sizes().vec(),
+                               static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size())});
+    }
+    if (!plain) {
       Py_DECREF(program);
+      for (auto& r : results) Py_DECREF(r.dtype_object);
       return;
     }
-    PyObject* dtype_object = reinterpret_cast<PyObject*>(torch::getTHPDtype(out.scalar_type()));
-    Py_INCREF(dtype_object);
-    table_.emplace(std::move(key), Entry{program, std::move(offset_positions), out.scalar_type(), dtype_object, out.sizes().vec(),
-                                         static_cast<int64_t>(out.numel()) * static_cast<int64_t>(out.element_size())});
+    table_.emplace(std::move(key), Entry{program, std::move(offset_positions), std::move(results)});
   }
 
   static PyObject* to_python(const c10::Argument& arg, const c10::IValue& v) {
@@ -532,7 +550,7 @@ class HotKernel final : public c10::OperatorKernel {
 
   // The Python kernel, called as the dispatcher calls a Python kernel: positional arguments,
   // keyword-only ones by name, numbers wrapped as tensors (`x + 2`) as Python numbers.
-  at::Tensor call_python(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) {
+  std::vector<at::Tensor> call_python(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) {
     const auto& schema = op.schema();
     PyObject* positional = PyList_New(0);
     PyObject* keywords = PyDict_New();
@@ -571,16 +589,29 @@ class HotKernel final : public c10::OperatorKernel {
       err.persist();
       throw err;
     }
-    if (!THPVariable_Check(result)) {
-      Py_DECREF(result);
-      PyErr_Format(PyExc_TypeError, "torchpjrt: the kernel of %s returned something other than a tensor",
-                   schema.name().c_str());
+    // one tensor, or a tuple of them (None for a result left out, as an output mask asks)
+    std::vector<at::Tensor> out;
+    bool single = n_returns_ == 1;
+    Py_ssize_t n = single ? 1 : (PyTuple_Check(result) ? PyTuple_GET_SIZE(result) : -1);
+    ok = n == static_cast<Py_ssize_t>(n_returns_);
+    for (Py_ssize_t i = 0; ok && i < n; i++) {
+      PyObject* item = single ? result : PyTuple_GET_ITEM(result, i);
+      if (item == Py_None && !single) {
+        out.emplace_back();
+      } else if (THPVariable_Check(item)) {
+        out.push_back(THPVariable_Unpack(item));
+      } else {
+        ok = false;
+      }
+    }
+    Py_DECREF(result);
+    if (!ok) {
+      PyErr_Format(PyExc_TypeError, "torchpjrt: the kernel of %s did not return its %d tensors",
+                   schema.name().c_str(), static_cast<int>(n_returns_));
       python_error err;
       err.persist();
       throw err;
     }
-    at::Tensor out = THPVariable_Unpack(result);
-    Py_DECREF(result);
     return out;
   }
 
@@ -588,6 +619,7 @@ class HotKernel final : public c10::OperatorKernel {
   std::string codes_;
   PyObject* python_kernel_;
   bool inplace_;
+  int n_returns_;  // tensors the op returns
   std::unordered_map<std::vector<int64_t>, Entry, KeyHash> table_;  // touched with the GIL held
 };
 
@@ -644,9 +676,10 @@ int torchpjrt_hot_configure(PyObject* storage_class, PyObject* array_type, PyObj
 }
 
 // Register the hot kernel for aten::`name` ("add.Tensor") at PrivateUse1, with `python_kernel`
-// for every call it does not serve; `inplace`: see HotKernel. Returns 0, or -1 with a Python
+// for every call it does not serve; `inplace`: see HotKernel; n_returns: the op's tensors returned. Returns 0, or -1 with a Python
 // error set.
-int torchpjrt_hot_register(const char* name, const char* codes, PyObject* python_kernel, int inplace) {
+int torchpjrt_hot_register(const char* name, const char* codes, PyObject* python_kernel, int inplace,
+                           int n_returns) {
   if (config == nullptr) {
     PyErr_SetString(PyExc_RuntimeError, "torchpjrt_hot_configure was not called");
     return -1;
@@ -656,7 +689,7 @@ int torchpjrt_hot_register(const char* name, const char* codes, PyObject* python
       registration = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1,
                                                       __FILE__, __LINE__);
     registration->impl(name, torch::CppFunction::makeFromBoxedFunctor(
-                                 std::make_unique<HotKernel>(name, codes, python_kernel, inplace != 0)));
+                                 std::make_unique<HotKernel>(name, codes, python_kernel, inplace != 0, n_returns)));
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return -1;
