@@ -161,13 +161,17 @@ def test_what_it_cannot_key_goes_to_the_python_kernel():
 
 
 @needs_hot_path
-def test_other_eager_modes_and_padded_storages_take_the_python_kernels():
+def test_fused_recording_debug_mode_and_padded_storages():
     a = torch.randn(8, device="pjrt")
     a.exp()
     a.exp()
     with torchpjrt.eager_mode("fused"):
+        # recorded into the pending graph by the hot path (exp), and by the Python kernel (a new
+        # key: * 2.0 has not run in strict mode)
+        pending = torchpjrt.eager_stats()["ops_pending"]
         out, n = served(lambda: a.exp() * 2.0)
-        assert n == 0 and torchpjrt.eager_stats()["ops_pending"] >= 1
+        assert n == 1 and torchpjrt.eager_stats()["ops_pending"] == pending + 2
+        assert type(out.untyped_storage()._pjrt.array) is torchpjrt.fusion.Pending
     torch.testing.assert_close(out.cpu(), a.cpu().exp() * 2.0)
     with torchpjrt.eager_mode("debug", log_ops=True):
         out, n = served(lambda: a.exp())

@@ -3,11 +3,11 @@ that return tensors, and their in-place forms, registered in place of their Pyth
 
 The C++ kernel keys each call by its arguments (pjrt tensors: dtype and sizes, and for a view its
 strides, offset and storage shape; numbers; static arguments) and, for a key the Python kernel
-has already served, calls the same compiled program and wraps its array as storage.wrap does. A
-call it cannot key (host tensors, a storage not computed yet, a view as an in-place target), a
-new key, and every call while debug mode, fused mode's recording, a padded
-storage or a second device is in use, runs the Python kernel (fused mode's flush-heavy regions,
-whose ops run at once, are served). The Python kernel tells it which program a call used
+has already served, calls the same compiled program and wraps its array as storage.wrap does;
+while fused mode records, it records that program into the pending graph as the Python kernel
+does (fusion.record_keyed). A call it cannot key (host tensors, a storage not computed yet, a
+view as an in-place target), a new key, and every call while debug mode, a padded storage or a
+second device is in use, runs the Python kernel. The Python kernel tells it which program a call used
 (`stash.last_call`, read by `take_entry`); it is taken only for plain calls: row-major results
 of a functional kernel, a whole-storage write of an in-place form.
 
@@ -17,6 +17,7 @@ TORCHPJRT_NATIVE_OPS=off keeps the Python kernels.
 """
 
 import ctypes
+import functools
 import os
 import sys
 import threading
@@ -42,8 +43,9 @@ _library = None  # the helper, opened so that its calls keep the GIL (ctypes.PyD
 
 def take_entry(qualname, views):
     """For the call of aten::`qualname` that just ran, when it was plain: (its compiled program,
-    per view argument in `views` whether the program took it with its offset as an argument);
-    None otherwise (also when the call recorded was another op's)."""
+    per view argument in `views` whether the program took it with its offset as an argument,
+    the function recording the program in fused mode); None otherwise (also when the call
+    recorded was another op's)."""
     from .dispatch import _qualname
 
     call = getattr(stash, "last_call", None)
@@ -65,7 +67,8 @@ def take_entry(qualname, views):
     if program is None:
         return None
     # as LoweredKernel.compute_keyed passes a view: (array, offset) where the offset is an argument
-    return program, tuple(storage.runtime_offset(v.untyped_storage()._pjrt, v) is not None for v in views)
+    forms = tuple(storage.runtime_offset(v.untyped_storage()._pjrt, v) is not None for v in views)
+    return program, forms, functools.partial(fusion.record_keyed, kernel.fused_avals, key, program)
 
 
 def wanted() -> bool:
@@ -84,16 +87,16 @@ def start():
     if lib is None or path is None or not hasattr(lib, "torchpjrt_hot_register"):
         return None
     py = ctypes.PyDLL(path)
-    py.torchpjrt_hot_configure.argtypes = [ctypes.py_object] * 7
+    py.torchpjrt_hot_configure.argtypes = [ctypes.py_object] * 9
     py.torchpjrt_hot_configure.restype = ctypes.c_int
     py.torchpjrt_hot_register.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.py_object, ctypes.c_int, ctypes.c_int]
     py.torchpjrt_hot_register.restype = ctypes.c_int
     py.torchpjrt_hot_calls.argtypes = [ctypes.c_int]
     py.torchpjrt_hot_calls.restype = ctypes.c_longlong
-    off_when = [(eager, "debug_enabled"), (padding, "live"), (placement, "multi"), (fusion, "records_ops"),
-                (storage, "mesh_placements")]
+    off_when = [(eager, "debug_enabled"), (padding, "live"), (placement, "multi"), (storage, "mesh_placements")]
     model = storage._create_empty((0,), torch.float32)
-    py.torchpjrt_hot_configure(storage.Storage, ArrayImpl, stash, take_entry, off_when, model, np.int64)
+    py.torchpjrt_hot_configure(storage.Storage, ArrayImpl, stash, take_entry, off_when, model, np.int64,
+                               fusion.Pending, (fusion, "records_ops"))
     py.torchpjrt_hot_budget.argtypes = [ctypes.c_longlong]
     py.torchpjrt_hot_budget.restype = None
     _library = py

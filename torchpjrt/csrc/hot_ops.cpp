@@ -41,6 +41,8 @@ namespace {
 struct Config {
   PyObject* storage_class = nullptr;  // torchpjrt.storage.Storage(array, dtype)
   PyObject* array_type = nullptr;     // jax's concrete array type: anything else is not computed yet
+  PyObject* pending_type = nullptr;   // fusion.Pending: a value of the graph fused mode records
+  std::pair<PyObject*, PyObject*> records{nullptr, nullptr};  // (fusion's dict, "records_ops")
   PyObject* stash = nullptr;          // per thread, `last_call`: set by the Python kernel's call
   PyObject* take_entry = nullptr;     // (op name, view arguments) -> (program, offset forms) or None
   PyObject* int64_type = nullptr;     // numpy.int64: a view's offset as the Python kernel passes it
@@ -84,6 +86,7 @@ struct Result {
 
 struct Entry {
   PyObject* program;  // the compiled function the Python kernel called for this key
+  PyObject* recorder;  // (arguments) -> the program's results recorded into fused mode's graph
   std::vector<int> offset_positions;  // view arguments passed as (array, offset), as the Python kernel did
   std::vector<Result> results;  // none for an in-place form
 };
@@ -127,20 +130,23 @@ struct Arguments {
   }
 };
 
-bool python_path_wanted() {
-  for (auto& [dict, name] : config->off_when) {
-    PyObject* v = PyDict_GetItemWithError(dict, name);  // borrowed
-    if (v == nullptr) {
-      PyErr_Clear();
-      return true;
-    }
-    if (v != Py_False && v != Py_None && !(PyLong_CheckExact(v) && PyLong_AsLongLong(v) == 0)) return true;
+bool is_set(PyObject* dict, PyObject* name) {
+  PyObject* v = PyDict_GetItemWithError(dict, name);  // borrowed
+  if (v == nullptr) {
+    PyErr_Clear();
+    return true;
   }
+  return v != Py_False && v != Py_None && !(PyLong_CheckExact(v) && PyLong_AsLongLong(v) == 0);
+}
+
+bool python_path_wanted() {
+  for (auto& [dict, name] : config->off_when)
+    if (is_set(dict, name)) return true;
   return false;
 }
 
 // A pjrt tensor argument: its storage object and array (new references), when the storage holds
-// a computed jax.Array of the tensor's dtype; `whole`: the tensor is the whole storage
+// a computed jax.Array of the tensor's dtype (or, while fused mode records, a value it records); `whole`: the tensor is the whole storage
 // (contiguous, the storage's shape, offset 0), else a view whose geometry goes into the key.
 struct Held {
   PyObject* storage = nullptr;
@@ -153,7 +159,7 @@ struct Held {
   }
 };
 
-bool held(const at::Tensor& t, Held& h) {
+bool held(const at::Tensor& t, Held& h, bool recording) {
   if (t.device().type() != c10::DeviceType::PrivateUse1) return false;
   PyObject* py_storage = THPStorage_Wrap(t.storage());
   if (py_storage == nullptr) {
@@ -170,7 +176,8 @@ bool held(const at::Tensor& t, Held& h) {
   PyObject* shape = PyObject_GetAttr(h.storage, config->name_shape);
   PyObject* dtype = PyObject_GetAttr(h.storage, config->name_dtype);
   bool ok = h.array != nullptr && shape != nullptr && dtype != nullptr &&
-            reinterpret_cast<PyObject*>(Py_TYPE(h.array)) == config->array_type &&
+            (reinterpret_cast<PyObject*>(Py_TYPE(h.array)) == config->array_type ||
+             (recording && reinterpret_cast<PyObject*>(Py_TYPE(h.array)) == config->pending_type)) &&
             dtype == reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type())) && PyTuple_Check(shape);
   if (ok) {
     Py_ssize_t n = PyTuple_GET_SIZE(shape);
@@ -269,13 +276,15 @@ class HotKernel final : public c10::OperatorKernel {
     Arguments dyn;
     PyObject* target = nullptr;  // an in-place op's storage object of its first argument
     std::vector<View> views;
+    bool recording = is_set(config->records.first, config->records.second);
     bool keyed = budget.load(std::memory_order_relaxed) != 0 && !python_path_wanted() &&
-                 make_key(args, key, dyn, &target, views);
+                 make_key(args, key, dyn, &target, views, recording);
     if (keyed) {
       auto it = table_.find(key);
       if (it != table_.end() && with_offsets(it->second, dyn, views)) {
         std::vector<at::Tensor> results;
-        bool done = inplace_ ? run_inplace(it->second, dyn, target) : run(it->second, dyn, results);
+        bool done = inplace_ ? run_inplace(it->second, dyn, target, recording)
+                             : run(it->second, dyn, results, recording);
         if (done) {
           Py_XDECREF(target);
           calls.fetch_add(1, std::memory_order_relaxed);
@@ -301,7 +310,7 @@ class HotKernel final : public c10::OperatorKernel {
 
  private:
   bool make_key(c10::ArrayRef<c10::IValue> args, std::vector<int64_t>& key, Arguments& dyn, PyObject** target,
-                std::vector<View>& views) {
+                std::vector<View>& views, bool recording) {
     for (size_t i = 0; i < codes_.size(); i++) {
       const c10::IValue& v = args[i];
       switch (codes_[i]) {
@@ -344,7 +353,7 @@ class HotKernel final : public c10::OperatorKernel {
             continue;
           }
           Held h;
-          if (!held(t, h)) return false;
+          if (!held(t, h, recording)) return false;
           if (inplace_ && i == 0) {
             if (!h.whole) return false;  // a view target: the Python kernel scatters into its storage
             Py_INCREF(h.storage);
@@ -381,17 +390,32 @@ class HotKernel final : public c10::OperatorKernel {
     return true;
   }
 
+  // The program called now, or recorded into fused mode's graph (fusion.record_keyed, as the
+  // Python kernel records it): its results, a new reference, or nullptr.
+  static PyObject* call(const Entry& e, Arguments& dyn, bool recording) {
+    if (!recording) return PyObject_Vectorcall(e.program, dyn.items, dyn.n, nullptr);
+    PyObject* list = PyList_New(dyn.n);
+    if (list == nullptr) return nullptr;
+    for (int i = 0; i < dyn.n; i++) {
+      Py_INCREF(dyn.items[i]);
+      PyList_SET_ITEM(list, i, dyn.items[i]);
+    }
+    PyObject* result = PyObject_CallOneArg(e.recorder, list);
+    Py_DECREF(list);
+    return result;
+  }
+
   // The program's results as new pjrt tensors in `out`; false when anything is not as the
   // Python kernel left it (the Python kernel then runs the call and says why).
-  bool run(const Entry& e, Arguments& dyn, std::vector<at::Tensor>& out) {
-    PyObject* result = PyObject_Vectorcall(e.program, dyn.items, dyn.n, nullptr);
+  bool run(const Entry& e, Arguments& dyn, std::vector<at::Tensor>& out, bool recording) {
+    PyObject* result = call(e, dyn, recording);
     if (result == nullptr) {
       PyErr_Clear();
       return false;
     }
     bool ok = PyTuple_Check(result) && PyTuple_GET_SIZE(result) >= static_cast<Py_ssize_t>(e.results.size());
     for (size_t i = 0; ok && i < e.results.size(); i++) {
-      at::Tensor t = wrap(PyTuple_GET_ITEM(result, i), e.results[i]);
+      at::Tensor t = wrap(PyTuple_GET_ITEM(result, i), e.results[i], recording);
       ok = t.defined();
       out.push_back(std::move(t));
     }
@@ -399,9 +423,11 @@ class HotKernel final : public c10::OperatorKernel {
     return ok;
   }
 
-  // `array` as a new pjrt tensor (storage.wrap), or an undefined tensor.
-  static at::Tensor wrap(PyObject* array, const Result& r) {
-    if (reinterpret_cast<PyObject*>(Py_TYPE(array)) != config->array_type) return at::Tensor();
+  // `array` (a recorded value while recording) as a new pjrt tensor (storage.wrap), or an
+  // undefined tensor.
+  static at::Tensor wrap(PyObject* array, const Result& r, bool recording) {
+    if (reinterpret_cast<PyObject*>(Py_TYPE(array)) != (recording ? config->pending_type : config->array_type))
+      return at::Tensor();
     PyObject* new_args[2] = {array, r.dtype_object};
     PyObject* st = PyObject_Vectorcall(config->storage_class, new_args, 2, nullptr);
     if (st == nullptr) {
@@ -453,14 +479,15 @@ class HotKernel final : public c10::OperatorKernel {
 
   // The program's result given to `target` (the written argument's storage object); false when
   // anything is not as the Python kernel left it.
-  bool run_inplace(const Entry& e, Arguments& dyn, PyObject* target) {
-    PyObject* result = PyObject_Vectorcall(e.program, dyn.items, dyn.n, nullptr);
+  bool run_inplace(const Entry& e, Arguments& dyn, PyObject* target, bool recording) {
+    PyObject* result = call(e, dyn, recording);
     if (result == nullptr) {
       PyErr_Clear();
       return false;
     }
     PyObject* array = PyTuple_Check(result) && PyTuple_GET_SIZE(result) >= 1 ? PyTuple_GET_ITEM(result, 0) : nullptr;
-    bool ok = array != nullptr && reinterpret_cast<PyObject*>(Py_TYPE(array)) == config->array_type && target != nullptr;
+    bool ok = array != nullptr && target != nullptr &&
+              reinterpret_cast<PyObject*>(Py_TYPE(array)) == (recording ? config->pending_type : config->array_type);
     if (ok) {
       PyObject* none = PyObject_CallMethodOneArg(target, config->name_replace, array);
       ok = none != nullptr;
@@ -490,8 +517,9 @@ class HotKernel final : public c10::OperatorKernel {
     // (program, per view: whether it was passed with its offset), or None
     std::vector<int> offset_positions;
     PyObject* program = Py_None;
+    PyObject* recorder = Py_None;
     if (found != Py_None) {
-      PyObject* forms = PyTuple_Check(found) && PyTuple_GET_SIZE(found) == 2 ? PyTuple_GET_ITEM(found, 1) : nullptr;
+      PyObject* forms = PyTuple_Check(found) && PyTuple_GET_SIZE(found) == 3 ? PyTuple_GET_ITEM(found, 1) : nullptr;
       if (forms == nullptr || !PyTuple_Check(forms) || PyTuple_GET_SIZE(forms) != static_cast<Py_ssize_t>(views.size())) {
         Py_DECREF(found);
         return;
@@ -499,11 +527,13 @@ class HotKernel final : public c10::OperatorKernel {
       for (size_t j = 0; j < views.size(); j++)
         if (PyTuple_GET_ITEM(forms, j) == Py_True) offset_positions.push_back(views[j].position);
       program = PyTuple_GET_ITEM(found, 0);
+      recorder = PyTuple_GET_ITEM(found, 2);
     }
     Py_INCREF(program);
+    Py_INCREF(recorder);
     Py_DECREF(found);
     if (program != Py_None && inplace_) {  // the result is the written argument: nothing to make
-      table_.emplace(std::move(key), Entry{program, std::move(offset_positions), {}});
+      table_.emplace(std::move(key), Entry{program, recorder, std::move(offset_positions), {}});
       return;
     }
     std::vector<Result> results;
@@ -520,10 +550,11 @@ class HotKernel final : public c10::OperatorKernel {
     }
     if (!plain) {
       Py_DECREF(program);
+      Py_DECREF(recorder);
       for (auto& r : results) Py_DECREF(r.dtype_object);
       return;
     }
-    table_.emplace(std::move(key), Entry{program, std::move(offset_positions), std::move(results)});
+    table_.emplace(std::move(key), Entry{program, recorder, std::move(offset_positions), std::move(results)});
   }
 
   static PyObject* to_python(const c10::Argument& arg, const c10::IValue& v) {
@@ -630,10 +661,12 @@ extern "C" {
 // storage_class, array_type, stash, take_entry: see Config; off_when: a list of
 // (module, attribute name) pairs, any of them true sends every call to the Python kernel;
 // model: a pjrt tensor as the Python backend makes them (its storage's allocator is taken);
-// int64_type: see Config.
+// int64_type, pending_type: see Config; records: (module, attribute name), true while fused
+// mode records ops (served by recording them).
 // Returns 0, or -1 with a Python error set.
 int torchpjrt_hot_configure(PyObject* storage_class, PyObject* array_type, PyObject* stash,
-                            PyObject* take_entry, PyObject* off_when, PyObject* model, PyObject* int64_type) {
+                            PyObject* take_entry, PyObject* off_when, PyObject* model, PyObject* int64_type,
+                            PyObject* pending_type, PyObject* records) {
   if (!THPVariable_Check(model)) {
     PyErr_SetString(PyExc_TypeError, "model must be a tensor");
     return -1;
@@ -645,7 +678,18 @@ int torchpjrt_hot_configure(PyObject* storage_class, PyObject* array_type, PyObj
   c->stash = stash;
   c->take_entry = take_entry;
   c->int64_type = int64_type;
+  c->pending_type = pending_type;
   Py_INCREF(int64_type);
+  Py_INCREF(pending_type);
+  {
+    PyObject* module = nullptr;
+    PyObject* name = nullptr;
+    if (!PyArg_ParseTuple(records, "OU", &module, &name)) return -1;
+    PyObject* dict = PyObject_GenericGetDict(module, nullptr);
+    if (dict == nullptr) return -1;
+    Py_INCREF(name);
+    c->records = {dict, name};
+  }
   for (PyObject* o : {storage_class, array_type, stash, take_entry}) Py_INCREF(o);
   PyObject* seq = PySequence_Fast(off_when, "off_when must be a sequence");
   if (seq == nullptr) return -1;
