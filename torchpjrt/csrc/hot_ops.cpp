@@ -66,7 +66,7 @@ std::atomic<int64_t> calls{0};
 std::atomic<int64_t> budget{-1};
 std::unique_ptr<torch::Library> registration;
 
-constexpr int64_t kNone = -1, kBool = -2, kOne = -3, kDynInt = -4, kOneFloat = -5, kDynFloat = -6, kInt = -7,
+constexpr int64_t kNone = -1, kBool = -2, kDynInt = -4, kDynFloat = -6, kInt = -7,
                   kFloat = -8, kIntList = -9, kString = -10, kTensor = -11, kView = -12;
 
 // A view argument of one call: where its array is among the program's arguments, its offset.
@@ -199,28 +199,20 @@ bool held(const at::Tensor& t, Held& h, bool recording) {
 }
 
 // A number argument the Python kernel treats as static when it is None, a bool or the int 1
-// (dispatch.scalar_is_static), traced otherwise.
-bool number(const c10::IValue& v, std::vector<int64_t>& key, Arguments& dyn) {
-  if (v.isNone()) {
-    key.push_back(kNone);
-  } else if (v.isBool()) {
-    key.push_back(kBool);
-    key.push_back(v.toBool());
-  } else if (v.isInt()) {
-    int64_t i = v.toInt();
-    if (i == 1) {
-      key.push_back(kOne);
-    } else {
-      key.push_back(kDynInt);
-      return dyn.push(PyLong_FromLongLong(i));
-    }
-  } else if (v.isDouble()) {
+// (dispatch.scalar_is_static; for a number wrapped as a tensor, `x + 1.0`, the float 1.0 too:
+// LoweredKernel._odd_tensor_arg), traced otherwise.
+bool static_value(const c10::IValue& v, std::vector<int64_t>& key);
+
+bool number(const c10::IValue& v, std::vector<int64_t>& key, Arguments& dyn, bool wrapped = false) {
+  if (v.isInt() && v.toInt() != 1) {
+    key.push_back(kDynInt);
+    return dyn.push(PyLong_FromLongLong(v.toInt()));
+  }
+  if (v.isDouble() && !(wrapped && v.toDouble() == 1.0)) {
     key.push_back(kDynFloat);
     return dyn.push(PyFloat_FromDouble(v.toDouble()));
-  } else {
-    return false;
   }
-  return true;
+  return (v.isNone() || v.isBool() || v.isInt() || v.isDouble()) && static_value(v, key);
 }
 
 bool static_value(const c10::IValue& v, std::vector<int64_t>& key) {
@@ -327,29 +319,7 @@ class HotKernel final : public c10::OperatorKernel {
           }
           if (t.unsafeGetTensorImpl()->is_wrapped_number()) {
             // `x + 2`: the Python kernel sees a Python number; static when a bool or 1
-            auto s = t.item();
-            if (s.isBoolean()) {
-              key.push_back(kBool);
-              key.push_back(s.toBool());
-            } else if (s.isIntegral(false)) {
-              int64_t i = s.toLong();
-              if (i == 1) {
-                key.push_back(kOne);
-              } else {
-                key.push_back(kDynInt);
-                if (!dyn.push(PyLong_FromLongLong(i))) return false;
-              }
-            } else if (s.isFloatingPoint()) {
-              double d = s.toDouble();
-              if (d == 1.0) {
-                key.push_back(kOneFloat);
-              } else {
-                key.push_back(kDynFloat);
-                if (!dyn.push(PyFloat_FromDouble(d))) return false;
-              }
-            } else {
-              return false;
-            }
+            if (!number(c10::IValue(t.item()), key, dyn, /*wrapped=*/true)) return false;
             continue;
           }
           Held h;
