@@ -7,9 +7,9 @@ has already served, calls the same compiled program and wraps its array as stora
 while fused mode records, it records that program into the pending graph as the Python kernel
 does (fusion.record_keyed). A call it cannot key (host tensors, a storage not computed yet, a
 view as an in-place target), a new key, and every call while debug mode, a padded storage or a
-second device is in use, runs the Python kernel. The Python kernel tells it which program a call used
-(`stash.last_call`, read by `take_entry`); it is taken only for plain calls: row-major results
-of a functional kernel, a whole-storage write of an in-place form.
+second device is in use, runs the Python kernel. The Python kernel tells it which program a
+call used (`stash.last_call`, read by `take_entry`); it is taken only for plain calls: row-major
+results of a functional kernel, a whole-storage write of an in-place form.
 
 It is registered when torchpjrt registers its kernels and the helper is already built (the
 first process on a machine builds it in the background and runs the Python kernels);
@@ -19,7 +19,6 @@ TORCHPJRT_NATIVE_OPS=off keeps the Python kernels.
 import ctypes
 import functools
 import os
-import sys
 import threading
 
 import numpy as np
