@@ -379,3 +379,54 @@ def test_ops_with_several_results():
     got, n = served(lambda: F.layer_norm(x, (6,), w.detach()))
     assert n == 1
     torch.testing.assert_close(got.cpu(), F.layer_norm(xc, (6,), wc.detach()))
+
+
+@needs_hot_path
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_foreach_ops_and_an_optimizer_step(mode):
+    xs = [torch.randn(3, 4, device="pjrt") for _ in range(4)] + [torch.randn(5, device="pjrt")]
+    ys = [x.cpu() for x in xs]
+    others = [torch.rand(x.shape, device="pjrt") + 0.5 for x in xs]
+    oc = [o.cpu() for o in others]
+    with torchpjrt.eager_mode(mode):
+        for round in range(3):
+            for f in (lambda m, a, b: m._foreach_mul_(a, 0.5), lambda m, a, b: m._foreach_add_(a, b, alpha=2.0),
+                      lambda m, a, b: m._foreach_div_(a, [1.5, 2.0, 2.5, 3.0, 3.5]),
+                      lambda m, a, b: m._foreach_addcdiv_(a, b, b, [0.1, 0.2, 0.3, 0.4, 0.5]),
+                      lambda m, a, b: m._foreach_lerp_(a, b, 0.25)):
+                served_now, n = served(lambda: f(torch, xs, others))
+                f(torch, ys, oc)
+                if round and mode == "strict":
+                    assert n == 1
+            outs, n = served(lambda: torch._foreach_sqrt(others))
+            assert isinstance(outs, tuple) and len(outs) == 5 and len({o.data_ptr() for o in outs}) == 5  # as on CPU
+            if round and mode == "strict":
+                assert n == 1
+            for o, c in zip(outs, oc):
+                torch.testing.assert_close(o.cpu(), c.sqrt())
+        for x, y in zip(xs, ys):
+            torch.testing.assert_close(x.cpu(), y)
+        # a view in a list goes to the Python kernel
+        view = xs[0][1]
+        torch._foreach_add_([view, xs[1]], 1.0)
+        ys[0][1] += 1.0
+        ys[1] += 1.0
+        for x, y in zip(xs, ys):
+            torch.testing.assert_close(x.cpu(), y)
+    # AdamW through its foreach path, against CPU
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+    ref = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+    ref.load_state_dict(model.state_dict())
+    model.to("pjrt")
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=True)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=0.01, foreach=True)
+    x = torch.randn(16, 6)
+    with torchpjrt.eager_mode(mode):
+        for _ in range(6):
+            for m, o, inp in ((model, opt, x.to("pjrt")), (ref, opt_ref, x)):
+                o.zero_grad()
+                m(inp).square().mean().backward()
+                o.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6)

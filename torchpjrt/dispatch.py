@@ -803,9 +803,10 @@ def make_inplace_kernel(op, functional, lowering):
 
         def list_kernel(*args, **kwargs):
             vals = sig.values(args, kwargs)
-            outs = k.compute(vals)
+            outs, key = k.compute_keyed(vals)
             for t, o in zip(vals[0], outs):
                 storage.write(t, o)
+            hot_path.stash.last_call = (k, key, outs, vals[0])  # the hot kernel may replay plain writes
             return vals[0] if returns_self else None
 
         return list_kernel
@@ -820,7 +821,7 @@ def make_inplace_kernel(op, functional, lowering):
         if tuple(out.shape) != tuple(self.shape):
             _check_inplace_broadcast(tuple(out.shape), tuple(self.shape))
         storage.write(self, out, allow_overlap=allow_overlap)
-        hot_path.stash.last_call = (k, key, out, self)  # the hot kernel may replay it if the write was plain
+        hot_path.stash.last_call = (k, key, outs, (self,))  # the hot kernel may replay it if the write was plain
         return self
 
     return kernel
@@ -1677,7 +1678,7 @@ def register():
             sig = signature(derived)
             code = hot_path.codes(derived, lowering, sig, _kinds(sig, lowering),
                                   _ARGUMENT_CHECKS.get(derived, (None,))[0] is not None, inplace=True) \
-                if hot is not None and sig.kinds[0] == TENSOR else None
+                if hot is not None and sig.kinds[0] in (TENSOR, TENSOR_LIST) else None
             if code is None:
                 lib.impl(_qualname(derived), kernel, "PrivateUse1")
             else:

@@ -29,13 +29,13 @@ from . import eager, fusion, native, padding, placement, storage
 
 # per thread (a kernel call releases the GIL while JAX runs it: another thread's call may come in
 # between), `last_call`: the latest call of a functional kernel (LoweredKernel, key), or of an
-# in-place form (LoweredKernel, key, the program's result, the written tensor); dispatch sets it
+# in-place form (LoweredKernel, key, the program's results, the written tensors); dispatch sets it
 stash = threading.local()
 
 # schema argument types the C++ kernel can key or hand back to Python
 _TYPES = {"Tensor", "Optional[Tensor]", "number", "Optional[number]", "int", "Optional[int]", "List[int]",
           "Optional[List[int]]", "float", "Optional[float]", "bool", "Optional[bool]", "str", "Optional[str]",
-          "Optional[ScalarType]", "ScalarType"}
+          "Optional[ScalarType]", "ScalarType", "List[Tensor]", "List[number]"}
 
 _library = None  # the helper, opened so that its calls keep the GIL (ctypes.PyDLL)
 
@@ -52,12 +52,15 @@ def take_entry(qualname, views):
     if call is None or _qualname(call[0].op) != qualname:
         return None
     if len(call) == 4:
-        # an in-place form: plain when the target's storage now holds the program's own result
-        # (a whole-storage write that needed no cast, broadcast or placement)
-        kernel, key, result, target = call
-        st = getattr(target.untyped_storage(), "_pjrt", None)
-        if st is None or st.array is not result:
+        # an in-place form: plain when each target's storage now holds the program's own result
+        # (whole-storage writes that needed no cast, broadcast or placement)
+        kernel, key, results, targets = call
+        if len(results) < len(targets):
             return None
+        for result, target in zip(results, targets):
+            st = getattr(target.untyped_storage(), "_pjrt", None)
+            if st is None or st.array is not result:
+                return None
     else:
         kernel, key = call
         if kernel.strides_for(key) is not None:
@@ -106,21 +109,25 @@ def start():
 
 def codes(op, lowering, sig, kinds, has_call_check, inplace=False) -> str | None:
     """The C++ kernel's per-argument codes for `op` (with `inplace`: an in-place form of the
-    op `lowering` computes), or None when it does not serve it: 't' tensor, 'n' traced
-    number, 'N' number the lowering wants static, 's' static argument."""
-    from .dispatch import SCALAR, STATIC, TENSOR
+    op `lowering` computes), or None when it does not serve it: 't' tensor, 'l' list of
+    tensors, 'n' traced number, 'N' number the lowering wants static, 'f' traced list of
+    numbers, 's' static argument."""
+    from .dispatch import SCALAR, SCALAR_LIST, STATIC, TENSOR, TENSOR_LIST
 
     schema = op._schema
+    returns = [str(r.type) for r in schema.returns]
     if (lowering.mutates or lowering.random or lowering.dynamic_shape or lowering.check is not None
-            or has_call_check or "device" in sig.names or op in padding.PRODUCERS or not schema.returns
-            or any(str(r.type) != "Tensor" for r in schema.returns)):
+            or has_call_check or "device" in sig.names or op in padding.PRODUCERS):
         return None
     if inplace:
-        ret, first = schema.returns[0].alias_info, schema.arguments[0].alias_info
-        if len(schema.returns) != 1 or ret is None or not ret.is_write or first is None or not first.is_write \
-                or schema.arguments[0].kwarg_only or any(a.alias_info is not None for a in schema.arguments[1:]):
+        first = schema.arguments[0].alias_info
+        ret = schema.returns[0].alias_info if returns else None
+        if first is None or not first.is_write or schema.arguments[0].kwarg_only \
+                or any(a.alias_info is not None for a in schema.arguments[1:]) \
+                or not (returns == [] or (len(returns) == 1 and ret is not None and ret.is_write)):
             return None
-    elif any(r.alias_info is not None for r in schema.returns):
+    elif not returns or any(r.alias_info is not None for r in schema.returns) or \
+            not (all(r == "Tensor" for r in returns) or returns == ["List[Tensor]"]):
         return None
     out = []
     for i, (arg, kind) in enumerate(zip(schema.arguments, kinds)):
@@ -128,8 +135,12 @@ def codes(op, lowering, sig, kinds, has_call_check, inplace=False) -> str | None
             return None
         if kind == TENSOR:
             out.append("t")
+        elif kind == TENSOR_LIST:
+            out.append("l")
         elif kind == SCALAR:
             out.append("N" if sig.names[i] in lowering.static else "n")
+        elif kind == SCALAR_LIST:
+            out.append("s" if lowering.static else "f")
         elif kind == STATIC:
             out.append("s")
         else:
@@ -138,7 +149,8 @@ def codes(op, lowering, sig, kinds, has_call_check, inplace=False) -> str | None
 
 
 def register(op, qualname, code, python_kernel, inplace=False) -> None:
-    n_returns = len(op._schema.returns)
+    returns = [str(r.type) for r in op._schema.returns]
+    n_returns = -1 if returns == ["List[Tensor]"] else len(returns)
     if _library.torchpjrt_hot_register(qualname.encode(), code.encode(), python_kernel, int(inplace), n_returns) != 0:
         raise RuntimeError(f"torchpjrt: registering the hot kernel of {qualname} failed")
 

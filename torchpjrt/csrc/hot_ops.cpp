@@ -67,7 +67,7 @@ std::atomic<int64_t> budget{-1};
 std::unique_ptr<torch::Library> registration;
 
 constexpr int64_t kNone = -1, kBool = -2, kDynInt = -4, kDynFloat = -6, kInt = -7,
-                  kFloat = -8, kIntList = -9, kString = -10, kTensor = -11, kView = -12;
+                  kFloat = -8, kIntList = -9, kString = -10, kTensor = -11, kView = -12, kList = -13;
 
 // A view argument of one call: where its array is among the program's arguments, its offset.
 struct View {
@@ -232,6 +232,12 @@ bool static_value(const c10::IValue& v, std::vector<int64_t>& key) {
     key.push_back(kIntList);
     key.push_back(static_cast<int64_t>(list.size()));
     for (int64_t x : list) key.push_back(x);
+  } else if (v.isList()) {  // numbers (Scalar[], float[])
+    auto list = v.toListRef();
+    key.push_back(kList);
+    key.push_back(static_cast<int64_t>(list.size()));
+    for (const c10::IValue& x : list)
+      if (x.isList() || !static_value(x, key)) return false;
   } else if (v.isString()) {
     const std::string& s = v.toStringRef();
     key.push_back(kString);
@@ -249,10 +255,12 @@ bool static_value(const c10::IValue& v, std::vector<int64_t>& key) {
 
 class HotKernel final : public c10::OperatorKernel {
  public:
-  // codes: per schema argument, 't' tensor, 'n' number (traced unless None/bool/1), 'N' number
-  // the lowering wants static, 's' static argument.
-  // inplace: the op writes its first argument and returns it (its result replaces that
-  // argument's storage array).
+  // codes: per schema argument, 't' tensor, 'l' list of tensors, 'n' number (traced unless
+  // None/bool/1), 'N' number the lowering wants static, 'f' list of numbers (traced), 's' static
+  // argument.
+  // inplace: the op writes its first argument (a tensor, or each tensor of a list), the results
+  // replacing those storages' arrays, and returns it (n_returns 1) or nothing (0).
+  // n_returns: the tensors a functional op returns; -1: one list of tensors.
   HotKernel(const char* name, std::string codes, PyObject* python_kernel, bool inplace, int n_returns)
       : name_(PyUnicode_FromString(name)), codes_(std::move(codes)), python_kernel_(python_kernel), inplace_(inplace),
         n_returns_(n_returns) {
@@ -266,42 +274,59 @@ class HotKernel final : public c10::OperatorKernel {
     std::vector<int64_t> key;
     key.reserve(24);
     Arguments dyn;
-    PyObject* target = nullptr;  // an in-place op's storage object of its first argument
+    Arguments targets;  // an in-place op's storage objects of the tensors it writes
     std::vector<View> views;
     bool recording = is_set(config->records.first, config->records.second);
     bool keyed = budget.load(std::memory_order_relaxed) != 0 && !python_path_wanted() &&
-                 make_key(args, key, dyn, &target, views, recording);
+                 make_key(args, key, dyn, targets, views, recording);
     if (keyed) {
       auto it = table_.find(key);
       if (it != table_.end() && with_offsets(it->second, dyn, views)) {
         std::vector<at::Tensor> results;
-        bool done = inplace_ ? run_inplace(it->second, dyn, target, recording)
+        bool done = inplace_ ? run_inplace(it->second, dyn, targets, recording)
                              : run(it->second, dyn, results, recording);
         if (done) {
-          Py_XDECREF(target);
           calls.fetch_add(1, std::memory_order_relaxed);
           if (budget.load(std::memory_order_relaxed) > 0) budget.fetch_sub(1, std::memory_order_relaxed);
-          c10::IValue self = inplace_ ? args[0] : c10::IValue();
-          torch::jit::drop(*stack, n);
-          if (inplace_) {
-            stack->emplace_back(std::move(self));
-          } else {
-            for (auto& t : results) stack->emplace_back(std::move(t));
-          }
+          push_results(stack, std::move(results));
           return;
         }
       }
     }
-    Py_XDECREF(target);
     if (keyed && PyObject_SetAttr(config->stash, config->name_last_call, Py_None) != 0) PyErr_Clear();
     std::vector<at::Tensor> out = call_python(op, args);
     if (keyed) learn(std::move(key), out, views);
-    torch::jit::drop(*stack, n);
-    for (auto& t : out) stack->emplace_back(std::move(t));
+    push_results(stack, std::move(out));
   }
 
  private:
-  bool make_key(c10::ArrayRef<c10::IValue> args, std::vector<int64_t>& key, Arguments& dyn, PyObject** target,
+  // The op's arguments replaced by its results on the stack: for an in-place form its first
+  // argument (or nothing), for a functional op its tensors (or one list of them).
+  void push_results(torch::jit::Stack* stack, std::vector<at::Tensor> results) {
+    const size_t n = codes_.size();
+    c10::IValue self = inplace_ && n_returns_ == 1 ? (*stack)[stack->size() - n] : c10::IValue();
+    torch::jit::drop(*stack, n);
+    if (inplace_) {
+      if (n_returns_ == 1) stack->emplace_back(std::move(self));
+    } else if (n_returns_ < 0) {
+      stack->emplace_back(c10::List<at::Tensor>(results));
+    } else {
+      for (auto& t : results) stack->emplace_back(std::move(t));
+    }
+  }
+
+  // A tensor argument's key words, and its array appended to `arrays` (the program's argument);
+  // false when the call cannot be keyed.
+  static bool tensor_key(const at::Tensor& t, Held& h, std::vector<int64_t>& key, bool recording) {
+    if (!held(t, h, recording)) return false;
+    key.push_back(kTensor);
+    key.push_back(static_cast<int64_t>(t.scalar_type()));
+    key.push_back(t.dim());
+    for (int64_t s : t.sizes()) key.push_back(s);
+    return true;
+  }
+
+  bool make_key(c10::ArrayRef<c10::IValue> args, std::vector<int64_t>& key, Arguments& dyn, Arguments& targets,
                 std::vector<View>& views, bool recording) {
     for (size_t i = 0; i < codes_.size(); i++) {
       const c10::IValue& v = args[i];
@@ -323,18 +348,14 @@ class HotKernel final : public c10::OperatorKernel {
             continue;
           }
           Held h;
-          if (!held(t, h, recording)) return false;
+          if (!tensor_key(t, h, key, recording)) return false;
           if (inplace_ && i == 0) {
             if (!h.whole) return false;  // a view target: the Python kernel scatters into its storage
             Py_INCREF(h.storage);
-            *target = h.storage;
+            if (!targets.push(h.storage)) return false;
           }
           Py_INCREF(h.array);
           if (!dyn.push(h.array)) return false;
-          key.push_back(kTensor);
-          key.push_back(static_cast<int64_t>(t.scalar_type()));
-          key.push_back(t.dim());
-          for (int64_t s : t.sizes()) key.push_back(s);
           if (!h.whole) {
             // a view: its geometry over its storage fixes the strided read compiled into the program
             key.push_back(kView);
@@ -343,6 +364,48 @@ class HotKernel final : public c10::OperatorKernel {
             key.push_back(static_cast<int64_t>(h.storage_shape.size()));
             for (int64_t s : h.storage_shape) key.push_back(s);
             views.push_back(View{dyn.n - 1, t.storage_offset(), &t});
+          }
+          break;
+        }
+        case 'l': {  // whole tensors only: the Python kernel reads a view in a list on its own
+          if (!v.isTensorList()) return false;
+          auto list = v.toTensorList();
+          key.push_back(kList);
+          key.push_back(static_cast<int64_t>(list.size()));
+          PyObject* arrays = PyList_New(static_cast<Py_ssize_t>(list.size()));
+          if (!dyn.push(arrays)) return false;
+          for (size_t j = 0; j < list.size(); j++) {
+            at::Tensor t = list[j];
+            Held h;
+            if (!t.defined() || !tensor_key(t, h, key, recording) || !h.whole) return false;
+            if (inplace_ && i == 0) {
+              Py_INCREF(h.storage);
+              if (!targets.push(h.storage)) return false;
+            }
+            Py_INCREF(h.array);
+            PyList_SET_ITEM(arrays, static_cast<Py_ssize_t>(j), h.array);
+          }
+          break;
+        }
+        case 'f': {  // numbers, traced: their types in the key (as the Python kernel keys them)
+          if (!v.isList()) return false;
+          auto list = v.toListRef();
+          key.push_back(kList);
+          key.push_back(static_cast<int64_t>(list.size()));
+          PyObject* values = PyList_New(static_cast<Py_ssize_t>(list.size()));
+          if (!dyn.push(values)) return false;
+          for (size_t j = 0; j < list.size(); j++) {
+            const c10::IValue& x = list[j];
+            PyObject* value = x.isDouble() ? PyFloat_FromDouble(x.toDouble())
+                              : x.isBool() ? PyBool_FromLong(x.toBool())
+                              : x.isInt()  ? PyLong_FromLongLong(x.toInt())
+                                           : nullptr;
+            if (value == nullptr) {
+              PyErr_Clear();
+              return false;
+            }
+            key.push_back(x.isDouble() ? kDynFloat : x.isBool() ? kBool : kDynInt);
+            PyList_SET_ITEM(values, static_cast<Py_ssize_t>(j), value);
           }
           break;
         }
@@ -383,13 +446,22 @@ class HotKernel final : public c10::OperatorKernel {
       PyErr_Clear();
       return false;
     }
-    bool ok = PyTuple_Check(result) && PyTuple_GET_SIZE(result) >= static_cast<Py_ssize_t>(e.results.size());
+    // a list's arrays come as the program's outputs, or as one list among them
+    PyObject* arrays = result;
+    if (n_returns_ < 0 && PyTuple_Check(result) && PyTuple_GET_SIZE(result) >= 1 &&
+        (PyList_Check(PyTuple_GET_ITEM(result, 0)) || PyTuple_Check(PyTuple_GET_ITEM(result, 0))))
+      arrays = PyTuple_GET_ITEM(result, 0);
+    PyObject* seq = PySequence_Fast(arrays, "results");
+    bool ok = seq != nullptr && PySequence_Fast_GET_SIZE(seq) >= static_cast<Py_ssize_t>(e.results.size()) &&
+              (n_returns_ >= 0 || PySequence_Fast_GET_SIZE(seq) == static_cast<Py_ssize_t>(e.results.size()));
     for (size_t i = 0; ok && i < e.results.size(); i++) {
-      at::Tensor t = wrap(PyTuple_GET_ITEM(result, i), e.results[i], recording);
+      at::Tensor t = wrap(PySequence_Fast_GET_ITEM(seq, i), e.results[i], recording);
       ok = t.defined();
       out.push_back(std::move(t));
     }
+    Py_XDECREF(seq);
     Py_DECREF(result);
+    if (!ok) PyErr_Clear();
     return ok;
   }
 
@@ -447,19 +519,20 @@ class HotKernel final : public c10::OperatorKernel {
     return true;
   }
 
-  // The program's result given to `target` (the written argument's storage object); false when
-  // anything is not as the Python kernel left it.
-  bool run_inplace(const Entry& e, Arguments& dyn, PyObject* target, bool recording) {
+  // The program's results given to `targets` (the written tensors' storage objects), one each
+  // in order; false when anything is not as the Python kernel left it.
+  bool run_inplace(const Entry& e, Arguments& dyn, Arguments& targets, bool recording) {
     PyObject* result = call(e, dyn, recording);
     if (result == nullptr) {
       PyErr_Clear();
       return false;
     }
-    PyObject* array = PyTuple_Check(result) && PyTuple_GET_SIZE(result) >= 1 ? PyTuple_GET_ITEM(result, 0) : nullptr;
-    bool ok = array != nullptr && target != nullptr &&
-              reinterpret_cast<PyObject*>(Py_TYPE(array)) == (recording ? config->pending_type : config->array_type);
-    if (ok) {
-      PyObject* none = PyObject_CallMethodOneArg(target, config->name_replace, array);
+    PyObject* expected = recording ? config->pending_type : config->array_type;
+    bool ok = PyTuple_Check(result) && PyTuple_GET_SIZE(result) >= targets.n;
+    for (int i = 0; ok && i < targets.n; i++)
+      ok = reinterpret_cast<PyObject*>(Py_TYPE(PyTuple_GET_ITEM(result, i))) == expected;
+    for (int i = 0; ok && i < targets.n; i++) {
+      PyObject* none = PyObject_CallMethodOneArg(targets.items[i], config->name_replace, PyTuple_GET_ITEM(result, i));
       ok = none != nullptr;
       Py_XDECREF(none);
     }
@@ -590,13 +663,21 @@ class HotKernel final : public c10::OperatorKernel {
       err.persist();
       throw err;
     }
-    // one tensor, or a tuple of them (None for a result left out, as an output mask asks)
+    // one tensor, a tuple of them (None for a result left out, as an output mask asks), a list
+    // of them, or nothing
     std::vector<at::Tensor> out;
     bool single = n_returns_ == 1;
-    Py_ssize_t n = single ? 1 : (PyTuple_Check(result) ? PyTuple_GET_SIZE(result) : -1);
-    ok = n == static_cast<Py_ssize_t>(n_returns_);
+    Py_ssize_t n = single ? 1
+                   : n_returns_ == 0 ? (result == Py_None ? 0 : -1)
+                   : n_returns_ < 0 ? (PyList_Check(result) || PyTuple_Check(result) ? PySequence_Size(result) : -1)
+                                    : (PyTuple_Check(result) ? PyTuple_GET_SIZE(result) : -1);
+    ok = n >= 0 && (n_returns_ < 0 || n == static_cast<Py_ssize_t>(n_returns_));
+    if (inplace_) {  // the written argument itself, as the op returns it: nothing to check
+      Py_DECREF(result);
+      return out;
+    }
     for (Py_ssize_t i = 0; ok && i < n; i++) {
-      PyObject* item = single ? result : PyTuple_GET_ITEM(result, i);
+      PyObject* item = single ? result : PySequence_Fast_GET_ITEM(result, i);
       if (item == Py_None && !single) {
         out.emplace_back();
       } else if (THPVariable_Check(item)) {
