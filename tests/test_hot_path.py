@@ -413,6 +413,14 @@ def test_foreach_ops_and_an_optimizer_step(mode):
         ys[1] += 1.0
         for x, y in zip(xs, ys):
             torch.testing.assert_close(x.cpu(), y)
+    # a model's worth of tensors in one list
+    many = [torch.full((3,), float(i), device="pjrt") for i in range(100)]
+    with torchpjrt.eager_mode(mode):
+        for round in range(3):
+            _, n = served(lambda: torch._foreach_mul_(many, 2.0))
+            if round and mode == "strict":
+                assert n == 1
+    assert all(m.cpu().tolist() == [8.0 * i] * 3 for i, m in enumerate(many))
     # AdamW through its foreach path, against CPU
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))

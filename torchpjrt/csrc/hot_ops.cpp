@@ -17,6 +17,7 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/StorageImpl.h>
+#include <c10/util/SmallVector.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/Storage.h>
@@ -113,20 +114,17 @@ struct GilHeld {
   ~GilHeld() { PyGILState_Release(state); }
 };
 
-// Owned references to the arguments of one program call.
+// Owned references: the arguments of one program call, or an in-place op's targets.
 struct Arguments {
-  PyObject* items[32];
-  int n = 0;
+  c10::SmallVector<PyObject*, 16> items;
+  int size() const { return static_cast<int>(items.size()); }
   bool push(PyObject* o) {
-    if (o == nullptr || n == 32) {
-      Py_XDECREF(o);
-      return false;
-    }
-    items[n++] = o;
+    if (o == nullptr) return false;
+    items.push_back(o);
     return true;
   }
   ~Arguments() {
-    for (int i = 0; i < n; i++) Py_DECREF(items[i]);
+    for (PyObject* o : items) Py_DECREF(o);
   }
 };
 
@@ -363,7 +361,7 @@ class HotKernel final : public c10::OperatorKernel {
             key.push_back(t.storage_offset());
             key.push_back(static_cast<int64_t>(h.storage_shape.size()));
             for (int64_t s : h.storage_shape) key.push_back(s);
-            views.push_back(View{dyn.n - 1, t.storage_offset(), &t});
+            views.push_back(View{dyn.size() - 1, t.storage_offset(), &t});
           }
           break;
         }
@@ -426,10 +424,10 @@ class HotKernel final : public c10::OperatorKernel {
   // The program called now, or recorded into fused mode's graph (fusion.record_keyed, as the
   // Python kernel records it): its results, a new reference, or nullptr.
   static PyObject* call(const Entry& e, Arguments& dyn, bool recording) {
-    if (!recording) return PyObject_Vectorcall(e.program, dyn.items, dyn.n, nullptr);
-    PyObject* list = PyList_New(dyn.n);
+    if (!recording) return PyObject_Vectorcall(e.program, dyn.items.data(), dyn.size(), nullptr);
+    PyObject* list = PyList_New(dyn.size());
     if (list == nullptr) return nullptr;
-    for (int i = 0; i < dyn.n; i++) {
+    for (int i = 0; i < dyn.size(); i++) {
       Py_INCREF(dyn.items[i]);
       PyList_SET_ITEM(list, i, dyn.items[i]);
     }
@@ -528,10 +526,10 @@ class HotKernel final : public c10::OperatorKernel {
       return false;
     }
     PyObject* expected = recording ? config->pending_type : config->array_type;
-    bool ok = PyTuple_Check(result) && PyTuple_GET_SIZE(result) >= targets.n;
-    for (int i = 0; ok && i < targets.n; i++)
+    bool ok = PyTuple_Check(result) && PyTuple_GET_SIZE(result) >= targets.size();
+    for (int i = 0; ok && i < targets.size(); i++)
       ok = reinterpret_cast<PyObject*>(Py_TYPE(PyTuple_GET_ITEM(result, i))) == expected;
-    for (int i = 0; ok && i < targets.n; i++) {
+    for (int i = 0; ok && i < targets.size(); i++) {
       PyObject* none = PyObject_CallMethodOneArg(targets.items[i], config->name_replace, PyTuple_GET_ITEM(result, i));
       ok = none != nullptr;
       Py_XDECREF(none);
