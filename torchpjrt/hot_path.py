@@ -93,7 +93,7 @@ def start():
     py.torchpjrt_hot_configure.restype = ctypes.c_int
     py.torchpjrt_hot_register.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.py_object, ctypes.c_int, ctypes.c_int]
     py.torchpjrt_hot_register.restype = ctypes.c_int
-    py.torchpjrt_hot_calls.argtypes = [ctypes.c_int]
+    py.torchpjrt_hot_calls.argtypes = []
     py.torchpjrt_hot_calls.restype = ctypes.c_longlong
     off_when = [(eager, "debug_enabled"), (padding, "live"), (placement, "multi"), (storage, "mesh_placements")]
     model = storage._create_empty((0,), torch.float32)
@@ -157,4 +157,4 @@ def register(op, qualname, code, python_kernel, inplace=False) -> None:
 
 def calls() -> int:
     """Calls the C++ kernels served (each also counts as an op dispatched)."""
-    return _library.torchpjrt_hot_calls(0) if _library is not None else 0
+    return _library.torchpjrt_hot_calls() if _library is not None else 0

@@ -793,9 +793,9 @@ int torchpjrt_hot_register(const char* name, const char* codes, PyObject* python
 // See `budget`.
 void torchpjrt_hot_budget(long long n) { budget.store(n); }
 
-// Calls served here since the last reset (counted with the Python kernels' dispatches).
-long long torchpjrt_hot_calls(int reset) {
-  return reset ? calls.exchange(0) : calls.load();
+// Calls served here since the process started (counted with the Python kernels' dispatches).
+long long torchpjrt_hot_calls() {
+  return calls.load();
 }
 
 }  // extern "C"
