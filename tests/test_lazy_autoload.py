@@ -51,6 +51,19 @@ def test_first_op_loads_the_device_and_matches_cpu():
     """)
 
 
+def test_importing_torchpjrt_leaves_dynamo_to_torch_compile():
+    # Dynamo and AOTAutograd take about a second to import: torch.compile loads them when used
+    _run("""
+    import torchpjrt
+    assert "torch._dynamo" not in sys.modules, "import torchpjrt imported Dynamo"
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU()).to("pjrt").eval()
+    with torch.no_grad():
+        y = model(torch.ones(2, 4, device="pjrt")).cpu()
+        assert torch.allclose(torch.compile(model, backend="pjrt")(torch.ones(2, 4, device="pjrt")).cpu(), y)
+    assert torchpjrt.compile_stats()["graphs"] == 1
+    """)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [
     "module_to", "device_module", "factory_context", "storage", "compile", "accelerator", "from_dlpack", "threads",
