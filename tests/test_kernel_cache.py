@@ -55,6 +55,46 @@ def test_a_second_process_loads_eager_kernels_and_gets_the_same_numbers(tmp_path
     assert off["hits"] == 0 and off["misses"] == 0 and off["losses"] == cold["losses"]
 
 
+STORAGE_HELPERS = r"""
+import json, torch, torchpjrt
+x = torch.arange(24.0).reshape(4, 6).to("pjrt")
+x[1] = torch.arange(6, dtype=torch.int64).to("pjrt")  # a row write with a cast
+x[:, 2] = 7.0  # a strided write of a broadcast number
+y = x.t().contiguous()  # a strided read
+c = torch.nn.functional.conv2d(torch.ones(1, 2, 5, 5).to("pjrt").to(memory_format=torch.channels_last),
+                               torch.ones(3, 2, 3, 3).to("pjrt"))  # a result laid out channels_last
+r = torch.arange(5.0).to("pjrt")
+r.resize_(9)  # grows the storage
+r[5:] = 1.0
+print(json.dumps({"values": [x.cpu().tolist(), y.cpu().tolist(), c.cpu().tolist(), r.cpu().tolist()],
+                  "stride": list(c.stride()), "compiles": torchpjrt.eager_stats()["xla_compiles"]}))
+"""
+
+
+@pytest.mark.slow  # fresh processes
+def test_a_second_process_compiles_nothing_for_storage_reads_writes_casts_and_layouts(tmp_path):
+    # strided reads and writes, casts, broadcasts, transposes to a result's layout and growing a
+    # storage are programs of their own: a warm process loads them with the op kernels
+    env = {**os.environ, "TORCHPJRT_CACHE_DIR": str(tmp_path / "cache"),
+           "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax")}
+    runs = []
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", STORAGE_HELPERS], capture_output=True, text=True, timeout=300,
+                           env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    cold, warm = runs
+    assert cold["compiles"] > 0 and warm["compiles"] == 0, (cold, warm)
+    assert warm["values"] == cold["values"] and warm["stride"] == cold["stride"] == [27, 1, 9, 3]
+    import torch
+
+    x = torch.arange(24.0).reshape(4, 6)
+    x[1] = torch.arange(6.0)
+    x[:, 2] = 7.0
+    r = torch.cat([torch.arange(5.0), torch.ones(4)])
+    assert cold["values"][0] == x.tolist() and cold["values"][1] == x.t().tolist() and cold["values"][3] == r.tolist()
+
+
 def test_a_loaded_kernel_falls_back_to_jit_for_arguments_it_was_not_built_for(tmp_path, monkeypatch):
     import jax
     import jax.numpy as jnp

@@ -77,13 +77,20 @@ class Storage:
             fusion.track(self)  # swapped for the computed array when the graph runs
 
 
-@functools.lru_cache(maxsize=None)
-def _zeros_fn(shape, dtype, device=0):
+def _kept(fn, *identity):
+    """jax.jit(fn), kept on disk by the kernel cache under `identity` (a name, then everything
+    that fixes its program: argument shapes and dtypes, static values), so a warm process loads
+    it rather than tracing and lowering it again for JAX's own cache."""
     from . import kernel_cache
 
+    return kernel_cache.kept(jax.jit(fn), identity)
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros_fn(shape, dtype, device=0):
     default_device()
     # every new storage starts here: a warm process loads these programs rather than tracing them
-    return kernel_cache.kept(jax.jit(lambda: jnp.zeros(shape, dtype)), ("storage.zeros", shape, str(dtype), device))
+    return _kept(lambda: jnp.zeros(shape, dtype), "storage.zeros", shape, str(dtype), device)
 
 
 def _zeros(shape, dtype, device=0):
@@ -106,19 +113,20 @@ def adopt_raw_bytes(t: torch.Tensor) -> None:
     if n % k:
         raise RuntimeError(f"torchpjrt: {n} bytes do not hold a whole number of {t.dtype}")
     jd = dtypes.to_jax(t.dtype)
-    typed = call(_bytes_as(n // k, k, jd), st.value())
+    typed = call(_bytes_as(n // k, k, jd, st.shape), st.value())
     st.raw = False
     st.dtype = t.dtype
     st.replace(typed)
 
 
-@functools.lru_cache(maxsize=None)
-def _bytes_as(n, k, dtype):
+@functools.lru_cache(maxsize=4096)
+def _bytes_as(n, k, dtype, byte_shape):
+    identity = ("storage.bytes_as", n, k, str(dtype), byte_shape)
     if dtype == jnp.bool_:
-        return jax.jit(lambda b: b.reshape(-1).astype(jnp.bool_))
+        return _kept(lambda b: b.reshape(-1).astype(jnp.bool_), *identity)
     if k == 1:
-        return jax.jit(lambda b: lax.bitcast_convert_type(b.reshape(-1), dtype))
-    return jax.jit(lambda b: lax.bitcast_convert_type(b.reshape(n, k), dtype))
+        return _kept(lambda b: lax.bitcast_convert_type(b.reshape(-1), dtype), *identity)
+    return _kept(lambda b: lax.bitcast_convert_type(b.reshape(n, k), dtype), *identity)
 
 
 def storage_of(t: torch.Tensor) -> Storage:
@@ -153,9 +161,9 @@ def _read_view(t, st):
             return hit[1]
     offset = runtime_offset(st, t)
     if offset is None:
-        out = call(_reader(st.shape, *geometry[:2], dtypes.to_jax(t.dtype), geometry[2]), st.value())
+        out = call(_reader(st.shape, *geometry[:2], dtypes.to_jax(t.dtype), geometry[2], st.dtype), st.value())
     else:
-        out = call(_reader(st.shape, *geometry[:2], dtypes.to_jax(t.dtype)), st.value(), offset)
+        out = call(_reader(st.shape, *geometry[:2], dtypes.to_jax(t.dtype), None, st.dtype), st.value(), offset)
     if type(out) is fusion.Pending:
         return out  # the read is fused into the pending graph; nothing to cache
     if views is None or len(views) > 64:
@@ -199,20 +207,26 @@ def write(t: torch.Tensor, value, allow_overlap=False) -> None:
                 "single memory location. Please clone() the tensor before performing the operation."
             )
         overlapping = tuple(s > 1 and d == 0 for s, d in zip(size, stride))
-        value = call(_last_along_fn(overlapping), value)
+        value = call(_last_along_fn(overlapping, tuple(value.shape), str(value.dtype)), value)
         size = tuple(1 if o else s for o, s in zip(overlapping, size))
     offset = runtime_offset(st, t) if size == tuple(t.shape) else None
     if offset is None:
-        new = call(_writer(st.shape, size, stride, dtypes.to_jax(st.dtype), t.storage_offset()), st.value(), value)
+        writer = _writer(st.shape, size, stride, dtypes.to_jax(st.dtype), t.storage_offset(), _aval(value))
+        new = call(writer, st.value(), value)
     else:
-        new = call(_writer(st.shape, size, stride, dtypes.to_jax(st.dtype)), st.value(), value, offset)
+        new = call(_writer(st.shape, size, stride, dtypes.to_jax(st.dtype), None, _aval(value)), st.value(), value, offset)
     st.replace(new)
 
 
-@functools.lru_cache(maxsize=None)
-def _last_along_fn(dims):
+def _aval(x):
+    """What fixes a jitted helper's program for argument x: its shape, dtype and weak type."""
+    return tuple(x.shape), str(x.dtype), getattr(x, "weak_type", False)
+
+
+@functools.lru_cache(maxsize=4096)
+def _last_along_fn(dims, shape, dtype):
     index = tuple(slice(-1, None) if d else slice(None) for d in dims)
-    return jax.jit(lambda x: x[index])
+    return _kept(lambda x: x[index], "storage.last_along", dims, shape, dtype)
 
 
 # set once anything can be placed over a mesh (distributed.spmd loaded, a sharded jax.Array taken
@@ -229,22 +243,22 @@ def _keep_mesh_placement(old, new):
     return new
 
 
-@functools.lru_cache(maxsize=None)
-def _cast_fn(dtype):
-    return jax.jit(lambda x: x.astype(dtype))
+@functools.lru_cache(maxsize=4096)
+def _cast_fn(dtype, arg):
+    return _kept(lambda x: x.astype(dtype), "storage.cast", str(dtype), arg)
 
 
 def _cast(x, dtype):
-    return call(_cast_fn(dtype), x)
+    return call(_cast_fn(dtype, _aval(x)), x)
 
 
-@functools.lru_cache(maxsize=None)
-def _broadcast_fn(shape):
-    return jax.jit(lambda x: jnp.broadcast_to(x, shape))
+@functools.lru_cache(maxsize=4096)
+def _broadcast_fn(shape, arg):
+    return _kept(lambda x: jnp.broadcast_to(x, shape), "storage.broadcast", shape, arg)
 
 
 def _broadcast(x, shape):
-    return call(_broadcast_fn(shape), x)
+    return call(_broadcast_fn(shape, _aval(x)), x)
 
 
 # ---- strided reads and writes ------------------------------------------------------------
@@ -408,17 +422,18 @@ def view_read_fn(base_shape, size, stride, dtype):
 
 
 @functools.lru_cache(maxsize=4096)
-def _reader(base_shape, size, stride, dtype, static_offset=None):
+def _reader(base_shape, size, stride, dtype, static_offset=None, base_dtype=None):
     """read(base, offset), or read(base) at `static_offset`: compiled into the program (an
     argument of the jitted function would be traced in fused mode)."""
     read = view_read_fn(base_shape, size, stride, dtype)
+    identity = ("storage.read", base_shape, size, stride, str(dtype), static_offset, str(base_dtype))
     if static_offset is None:
-        return jax.jit(read)
-    return jax.jit(lambda base: read(base, static_offset))
+        return _kept(read, *identity)
+    return _kept(lambda base: read(base, static_offset), *identity)
 
 
 @functools.lru_cache(maxsize=4096)
-def _writer(base_shape, size, stride, storage_dtype, static_offset=None):
+def _writer(base_shape, size, stride, storage_dtype, static_offset=None, value=None):
     """write(base, value, offset), or write(base, value) at `static_offset`: the storage's array
     with the view's elements set to value."""
     plan = _chunk_plan(size, stride)
@@ -448,9 +463,10 @@ def _writer(base_shape, size, stride, storage_dtype, static_offset=None):
         value = _view_dtype(value, storage_dtype)
         return write_elements(base.reshape(-1), value, offset)[:base_numel].reshape(base_shape)
 
+    identity = ("storage.write", base_shape, size, stride, str(storage_dtype), static_offset, value)
     if static_offset is None:
-        return jax.jit(write)
-    return jax.jit(lambda base, value: write(base, value, static_offset))
+        return _kept(write, *identity)
+    return _kept(lambda base, value: write(base, value, static_offset), *identity)
 
 
 # ---- making tensors -----------------------------------------------------------------------
@@ -487,9 +503,9 @@ def dense_order(size, stride):
     return order
 
 
-@functools.lru_cache(maxsize=None)
-def _to_order_fn(order):
-    return jax.jit(lambda x: jnp.transpose(x, order))
+@functools.lru_cache(maxsize=4096)
+def _to_order_fn(order, arg):
+    return _kept(lambda x: jnp.transpose(x, order), "storage.to_order", order, arg)
 
 
 def wrap_laid_out(array, dtype: torch.dtype, stride) -> torch.Tensor:
@@ -500,7 +516,7 @@ def wrap_laid_out(array, dtype: torch.dtype, stride) -> torch.Tensor:
     if order is None:
         return wrap(array, dtype)
     size = tuple(array.shape)
-    t = wrap(call(_to_order_fn(order), array), dtype)
+    t = wrap(call(_to_order_fn(order, _aval(array)), array), dtype)
     set_geometry(t, size, tuple(stride), 0)
     return t
 
@@ -664,15 +680,16 @@ def resize(t: torch.Tensor, size) -> None:
     if need > st.numel:
         if need * st.dtype.itemsize > _capacity:
             check_allocation(need * st.dtype.itemsize)
-        st.replace(call(_grow_fn(st.numel, need, dtypes.to_jax(st.dtype)), st.value()))
+        st.replace(call(_grow_fn(st.numel, need, dtypes.to_jax(st.dtype), st.shape), st.value()))
         give_address(t.untyped_storage(), need * st.dtype.itemsize)  # reallocated, as on CPU
     stride = contiguous_strides(size)
     set_geometry(t, size, stride, offset)
 
 
-@functools.lru_cache(maxsize=None)
-def _grow_fn(old_n, new_n, dtype):
-    return jax.jit(lambda x: jnp.concatenate([x.reshape(-1), jnp.zeros((new_n - old_n,), dtype)]))
+@functools.lru_cache(maxsize=4096)
+def _grow_fn(old_n, new_n, dtype, old_shape):
+    return _kept(lambda x: jnp.concatenate([x.reshape(-1), jnp.zeros((new_n - old_n,), dtype)]), "storage.grow",
+                 old_n, new_n, str(dtype), old_shape)
 
 
 def span(size, stride) -> int:
