@@ -51,6 +51,7 @@ def test_first_op_loads_the_device_and_matches_cpu():
     """)
 
 
+@pytest.mark.slow  # a fresh process
 def test_importing_torchpjrt_leaves_dynamo_to_torch_compile():
     # Dynamo and AOTAutograd take about a second to import: torch.compile loads them when used
     _run("""
