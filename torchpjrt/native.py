@@ -21,6 +21,7 @@ import glob
 import hashlib
 import os
 import shutil
+import shlex
 import subprocess
 import sys
 import sysconfig
@@ -79,20 +80,26 @@ def _spawn_build(target: str):
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), suffix=".so")
     os.close(fd)
-    compile_command = [compiler, "-O2", "-std=c++20", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-                       "-I", os.path.join(torch_dir, "include"),
-                       "-I", os.path.join(torch_dir, "include", "torch", "csrc", "api", "include"),
-                       *(["-I", _PYTHON_INCLUDE] if _PYTHON_HEADERS else []),
-                       *_SOURCES, "-L", lib_dir, "-lc10", "-ltorch_cpu",
-                       *(["-ltorch_python"] if _PYTHON_HEADERS else []), f"-Wl,-rpath,{lib_dir}"]
-    script = 'tmp=$1; target=$2; lock=$3; shift 3; "$@" -o "$tmp" && mv -f "$tmp" "$target"; ' \
-             'status=$?; rm -f "$tmp" "$lock"; exit $status'
+    flags = [compiler, "-O2", "-std=c++20", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+             "-I", os.path.join(torch_dir, "include"),
+             "-I", os.path.join(torch_dir, "include", "torch", "csrc", "api", "include"),
+             *(["-I", _PYTHON_INCLUDE] if _PYTHON_HEADERS else [])]
+    objects = [f"{tmp}.{i}.o" for i in range(len(_SOURCES))]
+    link = [compiler, "-shared", *objects, "-L", lib_dir, "-lc10", "-ltorch_cpu",
+            *(["-ltorch_python"] if _PYTHON_HEADERS else []), f"-Wl,-rpath,{lib_dir}", "-o", tmp]
+    # each source compiles in its own compiler process, all at once (hot_ops.cpp alone takes most
+    # of the time: PyTorch's pybind headers), then one link
+    quote = shlex.join
+    script = "".join(f"{quote([*flags, '-c', source, '-o', obj])} & pids=\"$pids $!\"\n"
+                     for source, obj in zip(_SOURCES, objects))
+    script += ('status=0; for pid in $pids; do wait $pid || status=1; done\n'
+               f'[ $status = 0 ] && {quote(link)} && mv -f {quote([tmp, target])}; status=$?\n'
+               f'rm -f {quote([tmp, *objects, lock])}; exit $status\n')
     # at the lowest priority: the process that started it goes on with its own work meanwhile
     nice = ["nice", "-n", "19"] if shutil.which("nice") else []
     # the compiler's messages go to a file, not a pipe nobody reads while it runs in the background
     with open(target + ".log", "w") as log:
-        process = subprocess.Popen([*nice, "/bin/sh", "-c", script, "sh", tmp, target, lock, *compile_command],
-                                   stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen([*nice, "/bin/sh", "-c", script], stdout=log, stderr=subprocess.STDOUT)
     process.compiler = os.path.basename(compiler)
     process.log = target + ".log"
     return process
