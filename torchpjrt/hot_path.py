@@ -6,8 +6,8 @@ strides, offset and storage shape; numbers; static arguments) and, for a key the
 has already served, calls the same compiled program and wraps its array as storage.wrap does;
 while fused mode records, it records that program into the pending graph as the Python kernel
 does (fusion.record_keyed). A call it cannot key (host tensors, a storage not computed yet, a
-view as an in-place target), a new key, and every call while debug mode, a padded storage or a
-second device is in use, runs the Python kernel. The Python kernel tells it which program a
+view as an in-place target, a padded storage's tensor: padding.py's rules), a new key, and every
+call while debug mode or a second device is in use, runs the Python kernel. The Python kernel tells it which program a
 call used (`stash.last_call`, read by `take_entry`); it is taken only for plain calls: row-major
 results of a functional kernel, a whole-storage write of an in-place form.
 
@@ -95,7 +95,7 @@ def start():
     py.torchpjrt_hot_register.restype = ctypes.c_int
     py.torchpjrt_hot_calls.argtypes = []
     py.torchpjrt_hot_calls.restype = ctypes.c_longlong
-    off_when = [(eager, "debug_enabled"), (padding, "live"), (placement, "multi"), (storage, "mesh_placements")]
+    off_when = [(eager, "debug_enabled"), (placement, "multi"), (storage, "mesh_placements")]
     model = storage._create_empty((0,), torch.float32)
     py.torchpjrt_hot_configure(storage.Storage, ArrayImpl, stash, take_entry, off_when, model, np.int64,
                                fusion.Pending, (fusion, "records_ops"))

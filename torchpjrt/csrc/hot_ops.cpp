@@ -50,6 +50,7 @@ struct Config {
   std::vector<std::pair<PyObject*, PyObject*>> off_when;  // (module dict, name): true -> Python kernel
   PyObject* name_pjrt = nullptr;
   PyObject* name_array = nullptr;
+  PyObject* name_padding = nullptr;
   PyObject* name_shape = nullptr;
   PyObject* name_dtype = nullptr;
   PyObject* name_last_call = nullptr;
@@ -173,7 +174,9 @@ bool held(const at::Tensor& t, Held& h, bool recording) {
   h.array = PyObject_GetAttr(h.storage, config->name_array);
   PyObject* shape = PyObject_GetAttr(h.storage, config->name_shape);
   PyObject* dtype = PyObject_GetAttr(h.storage, config->name_dtype);
-  bool ok = h.array != nullptr && shape != nullptr && dtype != nullptr &&
+  // a padded storage (padding.py) takes its op's padding rule, in the Python kernel
+  PyObject* padding = PyObject_GetAttr(h.storage, config->name_padding);
+  bool ok = h.array != nullptr && shape != nullptr && dtype != nullptr && padding == Py_None &&
             (reinterpret_cast<PyObject*>(Py_TYPE(h.array)) == config->array_type ||
              (recording && reinterpret_cast<PyObject*>(Py_TYPE(h.array)) == config->pending_type)) &&
             dtype == reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type())) && PyTuple_Check(shape);
@@ -188,6 +191,7 @@ bool held(const at::Tensor& t, Held& h, bool recording) {
   }
   Py_XDECREF(shape);
   Py_XDECREF(dtype);
+  Py_XDECREF(padding);
   if (!ok) {
     PyErr_Clear();
     return false;
@@ -760,6 +764,7 @@ int torchpjrt_hot_configure(PyObject* storage_class, PyObject* array_type, PyObj
   Py_DECREF(seq);
   c->name_pjrt = PyUnicode_InternFromString("_pjrt");
   c->name_array = PyUnicode_InternFromString("array");
+  c->name_padding = PyUnicode_InternFromString("padding");
   c->name_shape = PyUnicode_InternFromString("shape");
   c->name_dtype = PyUnicode_InternFromString("dtype");
   c->name_last_call = PyUnicode_InternFromString("last_call");
