@@ -324,3 +324,52 @@ def test_masked_loss_sizes_in_one_bucket_compile_nothing_new():
     for n in (10, 12, 15, 16):
         step(n)
     assert dispatch.stats["compiled"] == before
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_a_sequence_grown_a_token_at_a_time_compiles_per_bucket(mode):
+    """generate()'s input_ids: cat([seq, token], -1) each step. From the second append on, the
+    sequence lives in a bucket-sized storage and pointwise ops on it and ops on views of its
+    positions run the bucket's program; the values, sizes and contiguity are the CPU's."""
+    with torchpjrt.eager_mode(mode, **({"compile_after": 1} if mode == "fused" else {})):
+        seq, want = torch.arange(5).reshape(1, 5).to("pjrt"), torch.arange(5).reshape(1, 5)
+        compiled = []
+        for step in range(40):
+            token = (seq[:, -1:] * 7 + step) % 11  # a view of the sequence's last position
+            want = torch.cat([want, (want[:, -1:] * 7 + step) % 11], -1)
+            before = dispatch.stats["compiled"]
+            seq = torch.cat([seq, token], dim=-1)
+            done = bool((seq[:, -1] == 3).any())  # an end-of-sequence check on the last token
+            compiled.append(dispatch.stats["compiled"] - before)
+            assert done == bool((want[:, -1] == 3).any())
+        assert torch.equal(seq.cpu(), want) and seq.is_contiguous() and seq.shape == (1, 45)
+        assert padding.storage_padding_of(seq) == (45, 64)
+        # lengths 34..45 share bucket 64: once its first append compiled, nothing more does
+        assert sum(compiled[29:]) == 0, compiled
+
+
+def test_only_a_repeated_append_of_a_batch_of_one_is_padded():
+    one = torch.cat([torch.zeros(1, 3, device="pjrt"), torch.ones(1, 1, device="pjrt")], 1)
+    assert padding.storage_padding_of(one) is None  # a single cat stays exact
+    two = torch.cat([one, torch.ones(1, 1, device="pjrt")], 1)
+    assert padding.storage_padding_of(two) == (5, 8) and two.stride() == (8, 1)
+    # its strides are the CPU's but for the dimension of size 1, which addresses nothing
+    assert two.is_contiguous() and torch.equal(two.cpu(), torch.tensor([[0.0, 0, 0, 1, 1]]))
+    rows = torch.cat([torch.zeros(2, 3, device="pjrt"), torch.ones(2, 1, device="pjrt")], 1)
+    rows = torch.cat([rows, rows[:, :1]], 1)  # a batch of two: its strides would differ, so exact
+    assert padding.storage_padding_of(rows) is None and rows.stride() == (5, 1)
+    mixed = torch.cat([two, torch.ones(1, 1, dtype=torch.int64, device="pjrt")], 1)  # promotes: exact
+    assert mixed.dtype == torch.float32 and padding.storage_padding_of(mixed) is None
+    assert torch.equal(mixed.cpu(), torch.tensor([[0.0, 0, 0, 1, 1, 1]]))
+
+
+def test_gradients_flow_through_a_grown_sequence():
+    w = torch.randn(1, 3, requires_grad=True)
+    pw = w.detach().to("pjrt").requires_grad_()
+    for x, grad in ((w, None), (pw, None)):
+        seq = x * 1
+        for i in range(6):
+            seq = torch.cat([seq, seq[:, -1:] * 0.5 + i], 1)
+        (seq * torch.arange(9.0, device=seq.device)).sum().backward()
+    torch.testing.assert_close(pw.grad.cpu(), w.grad)
+    assert padding.storage_padding_of(seq) == (9, 16)

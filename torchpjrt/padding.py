@@ -507,9 +507,67 @@ def _index_put(kernel, sig, vals):
     return _call(kernel, sig, wide)
 
 
+@functools.lru_cache(maxsize=4096)
+def _append_fn(shape, dtype, dim, bucket_size, tail_shape, device):
+    def append(full, tail, n):
+        if full.shape[dim] < bucket_size:
+            widths = [(0, 0)] * full.ndim
+            widths[dim] = (0, bucket_size - full.shape[dim])
+            full = jnp.pad(full, widths)
+        return lax.dynamic_update_slice_in_dim(full, tail, n, axis=dim)
+
+    return kernel_cache.kept(jax.jit(append), ("padding.append", shape, str(dtype), dim, bucket_size, tail_shape,
+                                                device))
+
+
+def _appended(kernel, sig, vals):
+    """cat([x, y], d) that appends y to a sequence x growing along d (generate's input_ids, a
+    token a step): the second append to an exact cat's result, and every append to a padded x
+    after it, writes y at position n of a bucket-sized storage; the program is the bucket's, n an
+    argument. Only where the result is laid out as the CPU's (every dimension before d of size 1:
+    a batch of one): contiguous, with the CPU's strides but in those size-1 dimensions (which
+    address nothing; kept per bucket, so views of the sequence are the bucket's too)."""
+    tensors, dim = vals[0], vals[1]
+    if len(tensors) != 2:
+        return NotImplemented
+    x, y = tensors
+    if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)) or x.device.type != "pjrt" \
+            or y.device != x.device or y.dtype != x.dtype or y.dim() != x.dim() or not -x.dim() <= dim < x.dim():
+        return NotImplemented
+    d = dim % x.dim()
+    k = y.shape[d]
+    if k == 0 or any(x.shape[i] != y.shape[i] for i in range(x.dim()) if i != d) \
+            or any(x.shape[i] != 1 for i in range(d)) or y.untyped_storage()._pjrt.padding is not None:
+        return NotImplemented
+    st = x.untyped_storage()._pjrt
+    p = padded_dim(x)
+    if p is not None and p[0] == d:
+        _, n, B = p
+        full = _widened(x, d, B)
+    elif st.padding is None and st.appended_along == d and storage.is_identity(x, st):
+        n = B = x.shape[d]
+        full = x
+    else:
+        if st.padding is not None:
+            return NotImplemented
+        out = _call(kernel, sig, vals)  # a first append: exact, and remembered
+        storage.storage_of(out).appended_along = d
+        return out
+    size = B if n + k <= B else bucket(n + k, 1 << 62)
+    array = storage.read(full)
+    append = _append_fn(tuple(array.shape), array.dtype, d, size, tuple(y.shape), placement.index_of(array))
+    return _mark(storage.wrap(fusion.call(append, array, storage.read(y), n), x.dtype), d, n + k)
+
+
 def _cat(kernel, sig, vals):
     tensors, dim = list(vals[0]), vals[1]
     if not tensors:
+        return NotImplemented
+    if enabled:
+        out = _appended(kernel, sig, vals)
+        if out is not NotImplemented:
+            return out
+    if not live:
         return NotImplemented
     found = [padded_dim(t) for t in tensors]
     if any(p is None for p in found) or len({p for p in found}) != 1 or len({t.dim() for t in tensors}) != 1:
@@ -592,7 +650,8 @@ _RULES = {
     aten.fill_.Scalar: _pointwise_inplace, aten.fill_.Tensor: _pointwise_inplace, aten.zero_.default: _pointwise_inplace,
 }
 # data-dependent sizes start here: their rules run whether or not a padded storage is alive
-PRODUCERS = {aten.nonzero.default: _nonzero, aten.index.Tensor: _index, aten.masked_select.default: _masked_select}
+PRODUCERS = {aten.nonzero.default: _nonzero, aten.index.Tensor: _index, aten.masked_select.default: _masked_select,
+             aten.cat.default: _cat}  # cat: a sequence appended to (generate's input_ids) starts one
 
 
 def rule_for(op, lowering):

@@ -35,7 +35,8 @@ _inference_mode_enabled = torch.is_inference_mode_enabled
 class Storage:
     """The device memory behind one c10 storage: a JAX array and a version counter."""
 
-    __slots__ = ("array", "shape", "dtype", "version", "views", "raw", "device", "padding", "__weakref__")
+    __slots__ = ("array", "shape", "dtype", "version", "views", "raw", "device", "padding", "appended_along",
+                 "__weakref__")
 
     def __init__(self, array, dtype: torch.dtype, shape=None, device=0):
         self.array = array  # None until first written: an uninitialized (empty) storage
@@ -48,6 +49,7 @@ class Storage:
         self.views = None  # {(geometry, dtype): (version, array)} for materialized views
         self.raw = False  # untyped bytes (from torch.load): retyped by the first tensor set on it
         self.padding = None  # (n, B, stride): a padded result's first n of B positions (padding.py)
+        self.appended_along = None  # the dim of the cat([x, y]) that made it: a sequence may grow (padding.py)
 
     @property
     def numel(self):
