@@ -72,8 +72,8 @@ passthrough_window = 16  # flushes looked at to find a flush-heavy region
 passthrough_share = 0.75  # the share of their ops run op by op that starts running ops at once
 passthrough_ops = 2048  # ops run at once before recording is tried again
 _passthrough_left = 0  # ops still to run at once
-# read by strict mode's hot path (hot_path.py), which serves ops only while this is false: ops
-# are recorded (fused mode, outside a flush-heavy region)
+# read by strict mode's hot path (hot_path.py): while true (fused mode, outside a flush-heavy
+# region) it records the programs of the calls it serves instead of running them
 records_ops = False
 _hot_calls_at = 0  # the hot path's call count when a flush-heavy region's count was last settled
 hot_calls = int  # the hot path's call count (hot_path.calls once it is loaded; 0 until then)
