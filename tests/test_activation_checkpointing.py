@@ -158,6 +158,7 @@ def test_gradients_would_differ_if_the_state_were_not_replayed():
     assert any(not torch.allclose(w, g, atol=1e-6) for w, g in zip(want, got))
 
 
+@pytest.mark.slow  # a transformers model in every mode
 @pytest.mark.usefixtures("each_eager_mode")
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_transformers_gradient_checkpointing_with_dropout(use_reentrant):

@@ -107,6 +107,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow  # a fresh process
 def test_uint8_images_match_cpu_under_the_other_cpu_capability():
     """This process runs one of CPU's two uint8 kernels; a child process runs the other (the
     Pillow-SIMD kernel under AVX2, the generic separable kernel under DEFAULT)."""

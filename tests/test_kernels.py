@@ -67,6 +67,7 @@ def test_the_compiled_graph_inlines_the_kernel():
     assert backend.stats.get("eager_graphs", 0) == before.get("eager_graphs", 0)
 
 
+@pytest.mark.slow  # a model's training steps
 @pytest.mark.parametrize("norm,attention,steps", [("rms_norm", None, 5), (None, "flash_attention", 2)])
 def test_a_small_transformer_trains_with_the_kernels(norm, attention, steps):
     kwargs = {}

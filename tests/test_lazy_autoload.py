@@ -40,6 +40,7 @@ def test_import_torch_alone_does_not_import_jax():
     assert proc.stdout.split() == ["_DeviceModule", "pjrt"]
 
 
+@pytest.mark.slow  # a fresh process
 def test_first_op_loads_the_device_and_matches_cpu():
     _run("""
     x = torch.arange(6.0).reshape(2, 3)

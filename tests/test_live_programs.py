@@ -29,6 +29,7 @@ def _step(n):
 CAP_ABOVE = 120  # mappings
 
 
+@pytest.mark.slow  # a hundred new programs per mode
 def test_many_shapes_release_programs_and_keep_results(monkeypatch, each_eager_mode):
     # sizes no other test (nor another mode of this one) compiled: each step makes new programs
     first = 7919 + 100 * ("strict", "debug", "fused").index(each_eager_mode)
