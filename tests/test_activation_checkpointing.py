@@ -127,6 +127,7 @@ class _FeedForward(torch.nn.Module):
         return x + self.down(self.drop(torch.relu(self.up(x))))
 
 
+@pytest.mark.slow  # torch.compile of a model, forward and backward
 def test_compiled_checkpointed_dropout_model_has_the_same_gradients():
     """Under torch.compile the checkpointed regions' random ops are saved for the backward, not
     replayed (PyTorch's replay has no pjrt implementation and raised "Backend not supported for

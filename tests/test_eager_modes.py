@@ -295,6 +295,7 @@ def test_an_inference_loop_compiles_once():
     torch.testing.assert_close(torch.stack(outs).cpu(), torch.stack(expected), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # a long loop
 def test_a_long_fused_loop_has_flat_memory():
     torchpjrt.set_eager_mode("fused")
     torch.manual_seed(0)

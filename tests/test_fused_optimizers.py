@@ -336,6 +336,7 @@ def test_compiled_training_step_with_a_schedule_stops_compiling(form):
     _assert_matches_cpu(got, expected)
 
 
+@pytest.mark.slow  # transformers' Trainer in the loop
 def test_trainer_default_optimizer_with_a_linear_schedule_stops_compiling(tmp_path, monkeypatch):
     """transformers' Trainer with its default optimizer (adamw_torch_fused) and a linear warm-up
     and decay: a new lr every step, no compile after the second."""
