@@ -115,15 +115,16 @@ def adopt_raw_bytes(t: torch.Tensor) -> None:
     if n % k:
         raise RuntimeError(f"torchpjrt: {n} bytes do not hold a whole number of {t.dtype}")
     jd = dtypes.to_jax(t.dtype)
-    typed = call(_bytes_as(n // k, k, jd, st.shape), st.value())
+    raw = st.value()
+    typed = call(_bytes_as(n // k, k, jd, st.shape, _device(raw)), raw)
     st.raw = False
     st.dtype = t.dtype
     st.replace(typed)
 
 
 @functools.lru_cache(maxsize=4096)
-def _bytes_as(n, k, dtype, byte_shape):
-    identity = ("storage.bytes_as", n, k, str(dtype), byte_shape)
+def _bytes_as(n, k, dtype, byte_shape, device):
+    identity = ("storage.bytes_as", n, k, str(dtype), byte_shape, device)
     if dtype == jnp.bool_:
         return _kept(lambda b: b.reshape(-1).astype(jnp.bool_), *identity)
     if k == 1:
@@ -162,10 +163,11 @@ def _read_view(t, st):
         if hit is not None and hit[0] == st.version:
             return hit[1]
     offset = runtime_offset(st, t)
+    base = st.value()
     if offset is None:
-        out = call(_reader(st.shape, *geometry[:2], dtypes.to_jax(t.dtype), geometry[2], st.dtype), st.value())
+        out = call(_reader(st.shape, *geometry[:2], dtypes.to_jax(t.dtype), geometry[2], st.dtype, _device(base)), base)
     else:
-        out = call(_reader(st.shape, *geometry[:2], dtypes.to_jax(t.dtype), None, st.dtype), st.value(), offset)
+        out = call(_reader(st.shape, *geometry[:2], dtypes.to_jax(t.dtype), None, st.dtype, _device(base)), base, offset)
     if type(out) is fusion.Pending:
         return out  # the read is fused into the pending graph; nothing to cache
     if views is None or len(views) > 64:
@@ -209,26 +211,33 @@ def write(t: torch.Tensor, value, allow_overlap=False) -> None:
                 "single memory location. Please clone() the tensor before performing the operation."
             )
         overlapping = tuple(s > 1 and d == 0 for s, d in zip(size, stride))
-        value = call(_last_along_fn(overlapping, tuple(value.shape), str(value.dtype)), value)
+        value = call(_last_along_fn(overlapping, _aval(value)), value)
         size = tuple(1 if o else s for o, s in zip(overlapping, size))
     offset = runtime_offset(st, t) if size == tuple(t.shape) else None
+    base = st.value()
+    arguments = (_aval(value), _device(base))  # a value from the host is not on the storage's device
     if offset is None:
-        writer = _writer(st.shape, size, stride, dtypes.to_jax(st.dtype), t.storage_offset(), _aval(value))
-        new = call(writer, st.value(), value)
+        new = call(_writer(st.shape, size, stride, dtypes.to_jax(st.dtype), t.storage_offset(), arguments), base, value)
     else:
-        new = call(_writer(st.shape, size, stride, dtypes.to_jax(st.dtype), None, _aval(value)), st.value(), value, offset)
+        new = call(_writer(st.shape, size, stride, dtypes.to_jax(st.dtype), None, arguments), base, value, offset)
     st.replace(new)
 
 
+def _device(x) -> int:
+    """The pjrt index of x's device, part of a kept helper's identity (the kernel cache keeps one
+    executable per device)."""
+    return placement.index_of(x) if placement.multi else 0
+
+
 def _aval(x):
-    """What fixes a jitted helper's program for argument x: its shape, dtype and weak type."""
-    return tuple(x.shape), str(x.dtype), getattr(x, "weak_type", False)
+    """What fixes a jitted helper's program for argument x: its shape, dtype, weak type and device."""
+    return tuple(x.shape), str(x.dtype), getattr(x, "weak_type", False), _device(x)
 
 
 @functools.lru_cache(maxsize=4096)
-def _last_along_fn(dims, shape, dtype):
+def _last_along_fn(dims, arg):
     index = tuple(slice(-1, None) if d else slice(None) for d in dims)
-    return _kept(lambda x: x[index], "storage.last_along", dims, shape, dtype)
+    return _kept(lambda x: x[index], "storage.last_along", dims, arg)
 
 
 # set once anything can be placed over a mesh (distributed.spmd loaded, a sharded jax.Array taken
@@ -424,18 +433,18 @@ def view_read_fn(base_shape, size, stride, dtype):
 
 
 @functools.lru_cache(maxsize=4096)
-def _reader(base_shape, size, stride, dtype, static_offset=None, base_dtype=None):
+def _reader(base_shape, size, stride, dtype, static_offset=None, base_dtype=None, device=0):
     """read(base, offset), or read(base) at `static_offset`: compiled into the program (an
     argument of the jitted function would be traced in fused mode)."""
     read = view_read_fn(base_shape, size, stride, dtype)
-    identity = ("storage.read", base_shape, size, stride, str(dtype), static_offset, str(base_dtype))
+    identity = ("storage.read", base_shape, size, stride, str(dtype), static_offset, str(base_dtype), device)
     if static_offset is None:
         return _kept(read, *identity)
     return _kept(lambda base: read(base, static_offset), *identity)
 
 
 @functools.lru_cache(maxsize=4096)
-def _writer(base_shape, size, stride, storage_dtype, static_offset=None, value=None):
+def _writer(base_shape, size, stride, storage_dtype, static_offset=None, arguments=None):
     """write(base, value, offset), or write(base, value) at `static_offset`: the storage's array
     with the view's elements set to value."""
     plan = _chunk_plan(size, stride)
@@ -465,7 +474,7 @@ def _writer(base_shape, size, stride, storage_dtype, static_offset=None, value=N
         value = _view_dtype(value, storage_dtype)
         return write_elements(base.reshape(-1), value, offset)[:base_numel].reshape(base_shape)
 
-    identity = ("storage.write", base_shape, size, stride, str(storage_dtype), static_offset, value)
+    identity = ("storage.write", base_shape, size, stride, str(storage_dtype), static_offset, arguments)
     if static_offset is None:
         return _kept(write, *identity)
     return _kept(lambda base, value: write(base, value, static_offset), *identity)
@@ -682,16 +691,17 @@ def resize(t: torch.Tensor, size) -> None:
     if need > st.numel:
         if need * st.dtype.itemsize > _capacity:
             check_allocation(need * st.dtype.itemsize)
-        st.replace(call(_grow_fn(st.numel, need, dtypes.to_jax(st.dtype), st.shape), st.value()))
+        old = st.value()
+        st.replace(call(_grow_fn(st.numel, need, dtypes.to_jax(st.dtype), st.shape, _device(old)), old))
         give_address(t.untyped_storage(), need * st.dtype.itemsize)  # reallocated, as on CPU
     stride = contiguous_strides(size)
     set_geometry(t, size, stride, offset)
 
 
 @functools.lru_cache(maxsize=4096)
-def _grow_fn(old_n, new_n, dtype, old_shape):
+def _grow_fn(old_n, new_n, dtype, old_shape, device):
     return _kept(lambda x: jnp.concatenate([x.reshape(-1), jnp.zeros((new_n - old_n,), dtype)]), "storage.grow",
-                 old_n, new_n, str(dtype), old_shape)
+                 old_n, new_n, str(dtype), old_shape, device)
 
 
 def span(size, stride) -> int:
