@@ -553,6 +553,7 @@ def _scaler_loop(device, steps=12, inf_steps=(3, 4, 9)):
     return history, [p.detach().cpu() for p in net.parameters()]
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("each_eager_mode")
 def test_gradscaler_loop_matches_cpu():
     cpu_history, cpu_params = _scaler_loop("cpu")

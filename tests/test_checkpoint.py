@@ -499,6 +499,7 @@ def tiny_gpt2(seed):
     return transformers.GPT2LMHeadModel(config).eval()
 
 
+@pytest.mark.slow
 def test_gpt2_round_trip_gives_identical_outputs(tmp_path):
     model = tiny_gpt2(seed=0).to("pjrt")
     ids = torch.randint(0, 64, (2, 8)).to("pjrt")

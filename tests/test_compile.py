@@ -209,7 +209,7 @@ def _compile_models():
 
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn", pytest.param("transformer", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["mlp", pytest.param("cnn", marks=pytest.mark.slow), pytest.param("transformer", marks=pytest.mark.slow)])
 def test_compiled_outputs_and_gradients_match_eager_and_cpu(name):
     torch._dynamo.reset()
     model, x = _compile_models()[name]

@@ -225,6 +225,7 @@ def _train(steps, opt_cls=torch.optim.AdamW, after_step=None):
     return losses
 
 
+@pytest.mark.slow
 def test_fused_training_matches_strict_and_compiles_only_in_the_first_steps():
     strict = _train(6)
     compiled_after = {}
@@ -388,6 +389,7 @@ def test_debug_nan_check_names_the_op_that_produced_it():
     assert torch.log(x).isnan().any().item()  # strict mode does not check
 
 
+@pytest.mark.slow
 def test_debug_nan_check_takes_the_users_nan_and_inf_for_data():
     # non-finite values from the host, a factory or a scalar argument are the user's, not a fault
     inf, nan = float("inf"), float("nan")
@@ -502,6 +504,7 @@ def test_padded_routed_rows_share_one_graph():
     assert torchpjrt.eager_stats()["graphs_compiled"] == before + 1
 
 
+@pytest.mark.slow
 def test_shapes_that_follow_the_data_compile_no_graph(monkeypatch):
     monkeypatch.setattr(padding, "enabled", False)  # exact sizes: every count is a new shape
     torchpjrt.set_eager_mode("fused")
@@ -552,6 +555,7 @@ def test_op_by_op_drops_values_after_their_last_use(monkeypatch):
     assert len(alive) > 40 and max(alive) - base <= 4, (base, alive)
 
 
+@pytest.mark.slow
 def test_graphs_that_come_back_far_apart_are_compiled_only_once_they_would_pay(monkeypatch):
     """A generate()-like loop: one small graph per length, each length once per call. Their
     second sightings are far apart (more than reuse_distance flushes), so they keep running op
@@ -579,6 +583,7 @@ def test_graphs_that_come_back_far_apart_are_compiled_only_once_they_would_pay(m
     assert call(DEV) == expected
 
 
+@pytest.mark.slow
 def test_flush_heavy_regions_run_their_ops_at_once_and_training_loops_stay_fused():
     """Fused mode is never slower than strict: where most ops of the recent flushes ran op by op
     (a host read every few ops, shapes that never come back), ops stop being recorded for a while

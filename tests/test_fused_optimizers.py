@@ -288,6 +288,7 @@ def test_a_zero_weight_decay_is_a_value_with_the_cpu_kernels_results():
 
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["fused-float-lr", "capturable-tensor-lr"])
 def test_compiled_training_step_with_a_schedule_stops_compiling(form):
     """torch.compile: the fused kernels run as eager calls between Dynamo's graphs (torch.optim

@@ -422,6 +422,7 @@ def test_regression(program):
         raise
 
 
+@pytest.mark.slow
 @_fuzz_settings()
 @given(programs())
 def test_printed_code_reproduces_the_program(program):

@@ -191,6 +191,7 @@ def test_fused_recording_debug_mode_and_padded_storages():
     torch.testing.assert_close(out.cpu(), (a.cpu() > 0).nonzero()[:, 0].float().exp())
 
 
+@pytest.mark.slow
 @needs_hot_path
 def test_autograd_inference_mode_and_threads():
     w = torch.randn(4, 4, device="pjrt", requires_grad=True)

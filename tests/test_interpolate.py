@@ -61,6 +61,7 @@ UINT8_RUNS = [(name, False) for name in UINT8_CASES] + [
     (name, True) for name in ("7 from 33", "odd sizes, 4 channels", "scale_factor, 5 channels", "one pixel wide")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,antialias", list(itertools.product(["bilinear", "bicubic"], [False, True])))
 def test_uint8_images_match_cpu_bit_for_bit(mode, antialias):
     for name, align_corners in UINT8_RUNS:

@@ -65,6 +65,7 @@ def test_no_release_below_the_cap(monkeypatch):
     assert live_programs._map_limit() == int(int(open("/proc/sys/vm/max_map_count").read()) * live_programs.RELEASE_AT)
 
 
+@pytest.mark.slow
 def test_released_kernels_reload_from_the_kernel_cache(monkeypatch, each_eager_mode):
     from torchpjrt import kernel_cache
 

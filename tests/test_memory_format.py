@@ -97,6 +97,7 @@ def _train(device):
     return losses, model.conv1.weight.is_contiguous(memory_format=CL), [p.detach().cpu() for p in model.parameters()]
 
 
+@pytest.mark.slow
 def test_channels_last_cnn_trains_like_cpu():
     cpu, pjrt = _train("cpu"), _train("pjrt")
     torch.testing.assert_close(torch.tensor(pjrt[0]), torch.tensor(cpu[0]), rtol=1e-4, atol=1e-5)

@@ -217,6 +217,7 @@ def test_optimizer_state_left_on_the_cpu_is_a_device_error_as_on_cuda():
         opt.step()
 
 
+@pytest.mark.slow
 def test_accelerate_quicktour_pattern_reaches_cpu_accuracy():
     # optimizer first, then model.to(device), as accelerate's quicktour writes it
     g = torch.Generator().manual_seed(0)

@@ -70,7 +70,7 @@ def _train(model, device, opt_name, batches, foreach=None):
     return losses, model, opt
 
 
-@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+@pytest.mark.parametrize("kind", ["mlp", pytest.param("cnn", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
 def test_losses_match_cpu(kind, opt_name):
     torch.manual_seed(0)

@@ -42,6 +42,7 @@ def test_one_program_for_every_offset(mode):
     assert counts[-1] == counts[3], counts  # nothing new after the first few rows
 
 
+@pytest.mark.slow
 def test_offsets_near_the_end_of_the_storage_read_right():
     # the last rows of a column view: the strided chunk reaches past the storage, so these
     # offsets stay in the program (lax.dynamic_slice would clamp them)
