@@ -68,6 +68,17 @@ def pytest_configure(config):
     os.environ.setdefault("TORCHPJRT_CPU_FALLBACK", "0")
 
 
+@pytest.fixture
+def empty_kernel_cache(tmp_path, monkeypatch):
+    """A kernel cache with nothing kept yet, as on a user's first run: fused mode's graphs are then
+    compiled (and counted) by this process, by its policy, rather than loaded as earlier runs of
+    the suite kept them."""
+    from torchpjrt import kernel_cache
+
+    if kernel_cache.directory() is not None:
+        monkeypatch.setattr(kernel_cache, "_directory", str(tmp_path / "kernels"))
+
+
 @pytest.fixture(params=["strict", "debug", "fused"])
 def each_eager_mode(request):
     """Run a test once per eager mode (modules opt in with `usefixtures`). Fused mode compiles

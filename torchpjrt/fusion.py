@@ -19,7 +19,9 @@ as strict mode runs them. Compiling a whole graph costs far more than its ops' k
 other graphs and steps share, so a graph that never repeats (a region between data-dependent
 reads whose shapes follow the data, as an expert loop's routing) would make fused mode pay a
 large compile per flush for nothing; a graph that does repeat (a training step) is compiled
-one sighting later and fused from then on.
+one sighting later and fused from then on. A graph whose kernels are all kept by the kernel
+cache is kept there too: a later process loads it at its first sighting, and learns its kernels'
+result shapes from their entries, so a warm process traces nothing.
 
 A graph that comes back only after many other graphs (`generate()`: one small graph per token,
 each length once per call) is compiled at its second sighting only when it returns within
@@ -238,7 +240,7 @@ def call(fn, *args):
             raise device_error(e) from e
     traced = getattr(fn, "traceable", fn)  # a kernel_cache.CachedKernel is traced as its jitted form
     leaves, treedef = jax.tree_util.tree_flatten(args)
-    out_treedef, avals = _output_avals(traced, treedef, leaves)
+    out_treedef, avals = _output_avals(fn, traced, treedef, leaves)
     return jax.tree_util.tree_unflatten(out_treedef, _add_node(traced, fn, treedef, leaves, avals))
 
 
@@ -250,9 +252,9 @@ def record_keyed(avals_cache, key, fn, args):
     entry = avals_cache.get(key)
     if entry is None:
         traced = getattr(fn, "traceable", fn)
-        leaves, treedef = jax.tree_util.tree_flatten(args)
-        out_treedef, avals = _output_avals(traced, treedef, leaves)
-        flat_in = treedef == jax.tree_util.tree_structure(list(range(len(leaves))))
+        leaves, treedef = jax.tree_util.tree_flatten(tuple(args))  # the call's arguments, as `call` sees them
+        out_treedef, avals = _output_avals(fn, traced, treedef, leaves)
+        flat_in = treedef == jax.tree_util.tree_structure(tuple(range(len(leaves))))
         flat_out = out_treedef == jax.tree_util.tree_structure(tuple(range(len(avals))))
         entry = avals_cache[key] = (traced, treedef, flat_in, out_treedef, avals, flat_out)
     traced, treedef, flat_in, out_treedef, avals, flat_out = entry
@@ -261,17 +263,26 @@ def record_keyed(avals_cache, key, fn, args):
     return tuple(pendings) if flat_out else jax.tree_util.tree_unflatten(out_treedef, pendings)
 
 
-def _output_avals(fn, treedef, leaves):
-    """(out treedef, [(shape, dtype, weak_type)]) of fn on these arguments, from jax.eval_shape
-    once per argument signature."""
-    sig = tuple(_signature_of(x) for x in leaves)
-    entry = _out_avals.get((fn, treedef, sig))
+def _output_avals(fn, traced, treedef, leaves):
+    """(out treedef, [(shape, dtype, weak_type)]) of `fn` (traced as `traced`) on these arguments,
+    once per argument signature: from the kernel cache's entry for it when one is kept (a warm
+    process traces nothing), else from jax.eval_shape."""
+    sig = tuple(signature_of(x) for x in leaves)
+    entry = _out_avals.get((traced, treedef, sig))
     if entry is None:
-        entry = _out_avals[(fn, treedef, sig)] = _eval_shape(fn, treedef, leaves, sig)
+        stored_shapes = getattr(fn, "stored_shapes", None)  # a kernel_cache.CachedKernel's
+        stored = stored_shapes() if stored_shapes is not None else None
+        if stored is not None and stored[0] == treedef and stored[1] == sig:
+            entry = (stored[2], stored[3])
+        else:
+            entry = _eval_shape(traced, treedef, leaves, sig)
+        _out_avals[(traced, treedef, sig)] = entry
     return entry
 
 
-def _signature_of(x):
+def signature_of(x):
+    """What of an argument fixes a program: (shape, dtype, weak_type) for an array, the type of a
+    Python scalar (its value is traced)."""
     t = type(x)
     if t is Pending:
         if x.value is not None:
@@ -365,16 +376,17 @@ def flush(reason: str) -> None:
         _graph = _Graph()
         alive = [p for p in (ref() for ref in g.outputs) if p is not None]
         out_slots = tuple(p.slot for p in alive)
-        key = (tuple(g.nodes), tuple(g.input_slots), out_slots, tuple(_signature_of(x) for x in g.inputs), g.device)
+        key = (tuple(g.nodes), tuple(g.input_slots), out_slots, tuple(signature_of(x) for x in g.inputs), g.device)
         replay = _compiled.get(key)
         _flushes_seen += 1
         if replay is not None:
             stats["cache_hits"] += 1
             _compiled.move_to_end(key)
-        elif _worth_compiling(key, len(g.nodes)):
+        elif (identity := _kept_identity(g, out_slots, key[3])) is not None and _stored(identity) or \
+                _worth_compiling(key, len(g.nodes)):
             live_programs.release_if_due()
             stats["cache_misses"] += 1
-            replay = _compiled[key] = _make_replay(g.nodes, g.input_slots, out_slots, g.n_slots, g.inputs)
+            replay = _compiled[key] = _make_replay(g.nodes, g.input_slots, out_slots, g.n_slots, g.inputs, identity)
             if len(_compiled) > cache_size:
                 _compiled.popitem(last=False)
         traced = stats["graphs_compiled"]
@@ -413,6 +425,31 @@ def flush(reason: str) -> None:
         stats["ops_flushed"] += len(g.nodes)
         flush_reasons[reason] += 1
         _note_outcome(replay is not None, len(g.nodes))
+
+
+def _kept_identity(g, out_slots, input_signature):
+    """What fixes the graph's program in any process, when every node is a kernel the kernel cache
+    keeps (their identities, the wiring, which values survive, the inputs' signatures, the
+    device), so that the compiled graph is kept on disk with them; None otherwise."""
+    from . import kernel_cache
+
+    if kernel_cache.directory() is None:
+        return None
+    nodes = []
+    for runner, (_, treedef, refs, first) in zip(g.runners, g.nodes):
+        identity = getattr(runner, "identity", None)  # a kernel_cache.CachedKernel's
+        if identity is None:
+            return None
+        nodes.append((identity, treedef, refs, first))
+    return ("fused_graph", tuple(nodes), tuple(g.input_slots), out_slots, g.n_slots, input_signature, g.device)
+
+
+def _stored(identity) -> bool:
+    """Whether a graph's program is kept on disk: loading it costs less than running the graph op
+    by op, so a warm process runs its graphs fused from their first sighting."""
+    from . import kernel_cache
+
+    return kernel_cache.stored(identity)
 
 
 def _pass_through() -> bool:
@@ -539,8 +576,9 @@ def _run_op_by_op(g, out_slots):
 pack_host_scalars_from = 2  # a graph with fewer host scalars passes them as they are
 
 
-def _make_replay(nodes, input_slots, out_slots, n_slots, inputs):
-    """The graph as one jitted function, called with the graph's inputs. Host scalars among them
+def _make_replay(nodes, input_slots, out_slots, n_slots, inputs, identity=None):
+    """The graph as one jitted function (kept by the kernel cache under `identity`, when given),
+    called with the graph's inputs. Host scalars among them
     (a learning rate, an optimizer's per-parameter bias corrections: dozens in a fused optimizer
     step) reach it packed into one array per dtype: each separate Python number costs the call
     its own host-to-device transfer. Unpacked, each keeps the dtype and weak type jit gives it
@@ -577,7 +615,9 @@ def _make_replay(nodes, input_slots, out_slots, n_slots, inputs):
                 env[first + i] = v
         return [env[s] for s in out_slots]
 
-    jitted = jax.jit(replay)
+    from . import kernel_cache
+
+    jitted = kernel_cache.kept(jax.jit(replay), identity)
     if not layout:
         return jitted
 

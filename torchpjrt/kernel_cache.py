@@ -5,10 +5,12 @@ tracing the function and lowering it to StableHLO first, to hash it: some 10 ms 
 most of a warm process's first eager step, and a good part of a restored compiled graph's first
 call. This layer keys each eager kernel by what already fixes its program inside a process (the
 op and dispatch's kernel key: argument shapes, dtypes, static values), and each compiled graph
-by its fingerprint (compile/graph.py), plus what could change them between processes
+by its fingerprint (compile/graph.py), and each graph of fused eager mode by its kernels'
+identities and wiring (fusion.py), plus what could change them between processes
 (torchpjrt's source, the JAX, jaxlib and torch versions, the device, the device count and XLA's
 flags, the default dtype), and stores the serialized executable: a new process loads it without
-tracing.
+tracing. Each entry starts with a small header, its arguments' and results' shapes and dtypes:
+fused mode reads it to record a kernel without tracing it or loading its executable.
 
 Only single-device programs are kept, and each is loaded onto the device it was built for.
 Processes of JAX's multi-process runtime (torch.distributed) do not use it. A loaded
@@ -120,19 +122,48 @@ def kept(jitted, identity):
     return CachedKernel(jitted, identity)
 
 
+def stored(identity) -> bool:
+    """Whether a program kept under `identity` is on disk (loading it costs milliseconds, against
+    tracing and compiling it)."""
+    root = directory()
+    return root is not None and os.path.exists(_path(root, identity))
+
+
+def _path(root, identity):
+    key = hashlib.sha256(repr((_tag, identity, torch.get_default_dtype())).encode()).hexdigest()
+    return os.path.join(root, key[:2], key)
+
+
 class CachedKernel:
     """A jitted program (an eager kernel, a compiled graph, a storage's zero fill) whose first
     call loads its executable from disk when it can.
 
     `traceable` is the jitted function, for callers that trace it into a larger program (fused
-    eager mode)."""
+    eager mode); `identity` is what fixes its program."""
 
-    __slots__ = ("traceable", "_identity", "_call", "__weakref__")
+    __slots__ = ("traceable", "identity", "_call", "_shapes", "__weakref__")
 
     def __init__(self, jitted, identity):
         self.traceable = jitted
-        self._identity = identity
+        self.identity = identity
         self._call = None
+        self._shapes = _UNSET
+
+    def stored_shapes(self):
+        """(argument treedef, argument signatures, result treedef, result (shape, dtype,
+        weak_type)s) of the kept program, read from its entry's small header without loading the
+        executable, or None when no entry is kept: fused mode records the kernel's results from
+        it instead of tracing the kernel to learn their shapes."""
+        if self._shapes is _UNSET:
+            self._shapes = None
+            root = directory()
+            if root is not None:
+                try:
+                    with open(_path(root, self.identity), "rb") as f:
+                        self._shapes = pickle.load(f)
+                except Exception:  # no entry, or one this version cannot read (rebuilt on first call)
+                    pass
+        return self._shapes
 
     def __call__(self, *args):
         call = self._call
@@ -173,10 +204,10 @@ class CachedKernel:
         # executables stay in the process that compiled them
         if root is None or jax.process_count() > 1 or not _single_device(args):
             return self.traceable
-        key = hashlib.sha256(repr((_tag, self._identity, torch.get_default_dtype())).encode()).hexdigest()
-        path = os.path.join(root, key[:2], key)
+        path = _path(root, self.identity)
         try:
             with open(path, "rb") as f:
+                pickle.load(f)  # the header (stored_shapes)
                 payload, in_tree, out_tree, device_id = pickle.load(f)
             from jax.experimental.serialize_executable import deserialize_and_load
 
@@ -203,22 +234,32 @@ class CachedKernel:
         # its own, one per kernel and environment (a debug-print limit that changes nothing
         # else), and is stored only when XLA really compiled it. JAX does not write it to its
         # own cache: this layer's copy is the one a later process loads.
-        salt = 1_000_000 + int(key[:6], 16)
+        salt = 1_000_000 + int(os.path.basename(path)[:6], 16)
         hits = compile_cache.stats["persistent_cache_hits"]
         try:
             with jax_config.persistent_cache_min_compile_time_secs(1e12):
-                compiled = self.traceable.lower(*args).compile(
-                    compiler_options={"xla_debug_buffer_assignment_show_max": salt})
+                traced = self.traceable.trace(*args)
+                compiled = traced.lower().compile(compiler_options={"xla_debug_buffer_assignment_show_max": salt})
         except Exception:  # a runtime refusing the option, an error jit reports as well: jit's path
             stats["kernel_cache_unstored"] += 1
             return self.traceable
         stats["kernel_cache_misses"] += 1
-        if compile_cache.stats["persistent_cache_hits"] == hits and key not in _loaded_by_jax:
-            _store(path, compiled)
+        if compile_cache.stats["persistent_cache_hits"] == hits and path not in _loaded_by_jax:
+            _store(path, compiled, _shapes(args, traced.out_avals))
         else:
-            _loaded_by_jax.add(key)  # JAX's in-memory cache may hand the same executable back
+            _loaded_by_jax.add(path)  # JAX's in-memory cache may hand the same executable back
             stats["kernel_cache_unstored"] += 1
         return compiled
+
+
+def _shapes(args, out_avals):
+    """CachedKernel.stored_shapes' header for a program called on `args`."""
+    from .fusion import signature_of
+
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    avals, out_treedef = jax.tree_util.tree_flatten(out_avals)
+    return (treedef, tuple(signature_of(x) for x in leaves), out_treedef,
+            [(a.shape, a.dtype, a.weak_type) for a in avals])
 
 
 _handlers_ready = False
@@ -249,7 +290,7 @@ def _single_device(args) -> bool:
     return True
 
 
-def _store(path, compiled) -> None:
+def _store(path, compiled, shapes) -> None:
     from jax.experimental.serialize_executable import serialize
 
     devices = set()
@@ -259,7 +300,8 @@ def _store(path, compiled) -> None:
         stats["kernel_cache_unstored"] += 1
         return
     try:
-        data = pickle.dumps((*serialize(compiled), devices.pop().id))
+        # the header first: stored_shapes reads it alone
+        data = pickle.dumps(shapes) + pickle.dumps((*serialize(compiled), devices.pop().id))
         os.makedirs(os.path.dirname(path), exist_ok=True)
         # written whole or not at all: another process may be reading the same entry
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp")
