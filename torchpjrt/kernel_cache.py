@@ -122,6 +122,13 @@ def kept(jitted, identity):
     return CachedKernel(jitted, identity)
 
 
+def kept_jit(fn, *identity):
+    """jax.jit(fn), kept under `identity` (a name, then everything that fixes its program:
+    argument shapes and dtypes, static values, the device): a warm process loads it rather than
+    tracing and lowering it again for JAX's own cache."""
+    return kept(jax.jit(fn), identity)
+
+
 def stored(identity) -> bool:
     """Whether a program kept under `identity` is on disk (loading it costs milliseconds, against
     tracing and compiling it)."""

@@ -117,8 +117,7 @@ def _fill_beyond_fn(shape, dtype, dim, fill, device):
         return jnp.where(keep, x, jnp.asarray(fill, x.dtype) if x.dtype != jnp.bool_ else False)
 
     # kept on disk like every kernel: a warm process loads it instead of tracing it
-    return kernel_cache.kept(jax.jit(fill_beyond), ("padding.fill_beyond", shape, str(dtype), dim, fill,
-                                                             device))
+    return kernel_cache.kept_jit(fill_beyond, "padding.fill_beyond", shape, str(dtype), dim, fill, device)
 
 
 def _masked(t, d, n, B, fill=None):
@@ -437,9 +436,10 @@ def _expand_masks(x, indices):
         if t is not None and t.dtype == torch.bool:
             if t.device.type != "pjrt" or t.dim() == 0 or tuple(t.shape) != tuple(x.shape[dim:dim + t.dim()]):
                 return None  # the kernel gives CPU's errors for these
+            # unpadded too (a count that filled its bucket, a mask of one element): the index
+            # kernel on coordinates is kept and traced once per shape, where the exact kernel on a
+            # mask runs JAX's element-by-element ops and compiles each of them in every process
             coords = aten.nonzero.default(t)
-            if padded_dim(coords) is None:
-                return None  # nothing padded: the exact kernel is as fast
             expanded.extend(coords.unbind(1))
             dim += t.dim()
         else:
@@ -449,7 +449,7 @@ def _expand_masks(x, indices):
 
 
 def _index_with_masks(kernel, sig, vals):
-    """x[mask]: the mask's coordinates as padded indices."""
+    """x[mask]: the mask's coordinates (padded when the count is) as indices."""
     expanded = _expand_masks(vals[0], list(vals[1]))
     if expanded is None:
         return NotImplemented
@@ -516,8 +516,8 @@ def _append_fn(shape, dtype, dim, bucket_size, tail_shape, device):
             full = jnp.pad(full, widths)
         return lax.dynamic_update_slice_in_dim(full, tail, n, axis=dim)
 
-    return kernel_cache.kept(jax.jit(append), ("padding.append", shape, str(dtype), dim, bucket_size, tail_shape,
-                                                device))
+    return kernel_cache.kept_jit(append, "padding.append", shape, str(dtype), dim, bucket_size, tail_shape,
+                                 device)
 
 
 def _appended(kernel, sig, vals):
@@ -604,13 +604,12 @@ def _masked_select(kernel, sig, vals):
         return NotImplemented  # the kernel raises CPU's error
     if not shape:
         return NotImplemented
-    out = aten.index.Tensor(x.expand(shape), [mask.expand(shape)])
-    return out if padded_dim(out) is not None else NotImplemented
+    return aten.index.Tensor(x.expand(shape), [mask.expand(shape)])
 
 
 @functools.lru_cache(maxsize=None)
 def _count_fn(shape, dtype, device):
-    return kernel_cache.kept(jax.jit(jnp.count_nonzero), ("padding.count_nonzero", shape, str(dtype), device))
+    return kernel_cache.kept_jit(jnp.count_nonzero, "padding.count_nonzero", shape, str(dtype), device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -618,20 +617,23 @@ def _nonzero_fn(shape, dtype, size, device):
     def coordinates(x):
         return jnp.stack(jnp.nonzero(x, size=size, fill_value=0), axis=-1).astype(jnp.int64)
 
-    return kernel_cache.kept(jax.jit(coordinates), ("padding.nonzero", shape, str(dtype), size, device))
+    return kernel_cache.kept_jit(coordinates, "padding.nonzero", shape, str(dtype), size, device)
 
 
 def _nonzero(kernel, sig, vals):
     """nonzero at a bucket size: the count is read back (as the exact kernel must), the
-    coordinates computed for B rows, of which the first n are the result."""
+    coordinates computed for B rows, of which the first n are the result (marked padded even when
+    n fills its bucket: it shares the bucket's kernels). A tensor of one element gets its n rows
+    exactly, from the same kept program (the exact kernel would run JAX's element-by-element ops,
+    compiled again in every process)."""
     x = vals[0]
-    if not enabled or x.dim() == 0 or x.numel() < 2:
+    if not enabled or x.dim() == 0:
         return NotImplemented
     array = fusion.concrete_tree(storage.read(x))
     shape, dtype, device = tuple(array.shape), array.dtype, placement.index_of(array)
     n = int(_count_fn(shape, dtype, device)(array))
-    if n == 0:  # nothing to pad; computed here rather than counted again by the exact kernel
-        return storage.wrap(_nonzero_fn(shape, dtype, 0, device)(array))
+    if n == 0 or x.numel() < 2:  # nothing to pad
+        return storage.wrap(_nonzero_fn(shape, dtype, n, device)(array))
     return _mark(storage.wrap(_nonzero_fn(shape, dtype, bucket(n, x.numel()), device)(array)), 0, n)
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from jax import lax
 
-from . import dtypes, fusion, placement
+from . import dtypes, fusion, kernel_cache, placement
 from .fusion import call
 
 _create_empty = torch._C._acc.create_empty_tensor
@@ -79,20 +79,11 @@ class Storage:
             fusion.track(self)  # swapped for the computed array when the graph runs
 
 
-def _kept(fn, *identity):
-    """jax.jit(fn), kept on disk by the kernel cache under `identity` (a name, then everything
-    that fixes its program: argument shapes and dtypes, static values), so a warm process loads
-    it rather than tracing and lowering it again for JAX's own cache."""
-    from . import kernel_cache
-
-    return kernel_cache.kept(jax.jit(fn), identity)
-
-
 @functools.lru_cache(maxsize=None)
 def _zeros_fn(shape, dtype, device=0):
     default_device()
     # every new storage starts here: a warm process loads these programs rather than tracing them
-    return _kept(lambda: jnp.zeros(shape, dtype), "storage.zeros", shape, str(dtype), device)
+    return kernel_cache.kept_jit(lambda: jnp.zeros(shape, dtype), "storage.zeros", shape, str(dtype), device)
 
 
 def _zeros(shape, dtype, device=0):
@@ -126,10 +117,10 @@ def adopt_raw_bytes(t: torch.Tensor) -> None:
 def _bytes_as(n, k, dtype, byte_shape, device):
     identity = ("storage.bytes_as", n, k, str(dtype), byte_shape, device)
     if dtype == jnp.bool_:
-        return _kept(lambda b: b.reshape(-1).astype(jnp.bool_), *identity)
+        return kernel_cache.kept_jit(lambda b: b.reshape(-1).astype(jnp.bool_), *identity)
     if k == 1:
-        return _kept(lambda b: lax.bitcast_convert_type(b.reshape(-1), dtype), *identity)
-    return _kept(lambda b: lax.bitcast_convert_type(b.reshape(n, k), dtype), *identity)
+        return kernel_cache.kept_jit(lambda b: lax.bitcast_convert_type(b.reshape(-1), dtype), *identity)
+    return kernel_cache.kept_jit(lambda b: lax.bitcast_convert_type(b.reshape(n, k), dtype), *identity)
 
 
 def storage_of(t: torch.Tensor) -> Storage:
@@ -211,11 +202,11 @@ def write(t: torch.Tensor, value, allow_overlap=False) -> None:
                 "single memory location. Please clone() the tensor before performing the operation."
             )
         overlapping = tuple(s > 1 and d == 0 for s, d in zip(size, stride))
-        value = call(_last_along_fn(overlapping, _aval(value)), value)
+        value = call(_last_along_fn(overlapping, aval_of(value)), value)
         size = tuple(1 if o else s for o, s in zip(overlapping, size))
     offset = runtime_offset(st, t) if size == tuple(t.shape) else None
     base = st.value()
-    arguments = (_aval(value), _device(base))  # a value from the host is not on the storage's device
+    arguments = (aval_of(value), _device(base))  # a value from the host is not on the storage's device
     if offset is None:
         new = call(_writer(st.shape, size, stride, dtypes.to_jax(st.dtype), t.storage_offset(), arguments), base, value)
     else:
@@ -229,7 +220,7 @@ def _device(x) -> int:
     return placement.index_of(x) if placement.multi else 0
 
 
-def _aval(x):
+def aval_of(x):
     """What fixes a jitted helper's program for argument x: its shape, dtype, weak type and device."""
     return tuple(x.shape), str(x.dtype), getattr(x, "weak_type", False), _device(x)
 
@@ -237,7 +228,7 @@ def _aval(x):
 @functools.lru_cache(maxsize=4096)
 def _last_along_fn(dims, arg):
     index = tuple(slice(-1, None) if d else slice(None) for d in dims)
-    return _kept(lambda x: x[index], "storage.last_along", dims, arg)
+    return kernel_cache.kept_jit(lambda x: x[index], "storage.last_along", dims, arg)
 
 
 # set once anything can be placed over a mesh (distributed.spmd loaded, a sharded jax.Array taken
@@ -256,20 +247,20 @@ def _keep_mesh_placement(old, new):
 
 @functools.lru_cache(maxsize=4096)
 def _cast_fn(dtype, arg):
-    return _kept(lambda x: x.astype(dtype), "storage.cast", str(dtype), arg)
+    return kernel_cache.kept_jit(lambda x: x.astype(dtype), "storage.cast", str(dtype), arg)
 
 
 def _cast(x, dtype):
-    return call(_cast_fn(dtype, _aval(x)), x)
+    return call(_cast_fn(dtype, aval_of(x)), x)
 
 
 @functools.lru_cache(maxsize=4096)
 def _broadcast_fn(shape, arg):
-    return _kept(lambda x: jnp.broadcast_to(x, shape), "storage.broadcast", shape, arg)
+    return kernel_cache.kept_jit(lambda x: jnp.broadcast_to(x, shape), "storage.broadcast", shape, arg)
 
 
 def _broadcast(x, shape):
-    return call(_broadcast_fn(shape, _aval(x)), x)
+    return call(_broadcast_fn(shape, aval_of(x)), x)
 
 
 # ---- strided reads and writes ------------------------------------------------------------
@@ -439,8 +430,8 @@ def _reader(base_shape, size, stride, dtype, static_offset=None, base_dtype=None
     read = view_read_fn(base_shape, size, stride, dtype)
     identity = ("storage.read", base_shape, size, stride, str(dtype), static_offset, str(base_dtype), device)
     if static_offset is None:
-        return _kept(read, *identity)
-    return _kept(lambda base: read(base, static_offset), *identity)
+        return kernel_cache.kept_jit(read, *identity)
+    return kernel_cache.kept_jit(lambda base: read(base, static_offset), *identity)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -476,8 +467,8 @@ def _writer(base_shape, size, stride, storage_dtype, static_offset=None, argumen
 
     identity = ("storage.write", base_shape, size, stride, str(storage_dtype), static_offset, arguments)
     if static_offset is None:
-        return _kept(write, *identity)
-    return _kept(lambda base, value: write(base, value, static_offset), *identity)
+        return kernel_cache.kept_jit(write, *identity)
+    return kernel_cache.kept_jit(lambda base, value: write(base, value, static_offset), *identity)
 
 
 # ---- making tensors -----------------------------------------------------------------------
@@ -516,7 +507,7 @@ def dense_order(size, stride):
 
 @functools.lru_cache(maxsize=4096)
 def _to_order_fn(order, arg):
-    return _kept(lambda x: jnp.transpose(x, order), "storage.to_order", order, arg)
+    return kernel_cache.kept_jit(lambda x: jnp.transpose(x, order), "storage.to_order", order, arg)
 
 
 def wrap_laid_out(array, dtype: torch.dtype, stride) -> torch.Tensor:
@@ -527,7 +518,7 @@ def wrap_laid_out(array, dtype: torch.dtype, stride) -> torch.Tensor:
     if order is None:
         return wrap(array, dtype)
     size = tuple(array.shape)
-    t = wrap(call(_to_order_fn(order, _aval(array)), array), dtype)
+    t = wrap(call(_to_order_fn(order, aval_of(array)), array), dtype)
     set_geometry(t, size, tuple(stride), 0)
     return t
 
@@ -700,7 +691,7 @@ def resize(t: torch.Tensor, size) -> None:
 
 @functools.lru_cache(maxsize=4096)
 def _grow_fn(old_n, new_n, dtype, old_shape, device):
-    return _kept(lambda x: jnp.concatenate([x.reshape(-1), jnp.zeros((new_n - old_n,), dtype)]), "storage.grow",
+    return kernel_cache.kept_jit(lambda x: jnp.concatenate([x.reshape(-1), jnp.zeros((new_n - old_n,), dtype)]), "storage.grow",
                  old_n, new_n, str(dtype), old_shape, device)
 
 
