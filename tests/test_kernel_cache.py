@@ -89,15 +89,19 @@ c = torch.nn.functional.conv2d(torch.ones(1, 2, 5, 5).to("pjrt").to(memory_forma
 r = torch.arange(5.0).to("pjrt")
 r.resize_(9)  # grows the storage
 r[5:] = 1.0
-print(json.dumps({"values": [x.cpu().tolist(), y.cpu().tolist(), c.cpu().tolist(), r.cpu().tolist()],
+one = torch.tensor([[2.5]]).to("pjrt")
+masks = [one[one > 0].cpu().tolist(), torch.masked_select(x, x > 20).cpu().tolist(), x[x > 20].cpu().tolist(),
+         torch.equal(x, y.t()), torch.equal(x, y.t() + 1)]  # coordinates of a mask, torch.equal
+print(json.dumps({"values": [x.cpu().tolist(), y.cpu().tolist(), c.cpu().tolist(), r.cpu().tolist(), masks],
                   "stride": list(c.stride()), "compiles": torchpjrt.eager_stats()["xla_compiles"]}))
 """
 
 
 @pytest.mark.slow  # fresh processes
-def test_a_second_process_compiles_nothing_for_storage_reads_writes_casts_and_layouts(tmp_path):
+def test_a_second_process_compiles_nothing_for_storage_reads_writes_casts_layouts_and_masks(tmp_path):
     # strided reads and writes, casts, broadcasts, transposes to a result's layout and growing a
-    # storage are programs of their own: a warm process loads them with the op kernels
+    # storage are programs of their own, and so are a boolean mask's count and coordinates and
+    # torch.equal's comparison: a warm process loads them with the op kernels
     env = {**os.environ, "TORCHPJRT_CACHE_DIR": str(tmp_path / "cache"),
            "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax")}
     runs = []
@@ -116,6 +120,7 @@ def test_a_second_process_compiles_nothing_for_storage_reads_writes_casts_and_la
     x[:, 2] = 7.0
     r = torch.cat([torch.arange(5.0), torch.ones(4)])
     assert cold["values"][0] == x.tolist() and cold["values"][1] == x.t().tolist() and cold["values"][3] == r.tolist()
+    assert cold["values"][4] == [[2.5], x[x > 20].tolist(), x[x > 20].tolist(), True, False]
 
 
 def test_a_loaded_kernel_falls_back_to_jit_for_arguments_it_was_not_built_for(tmp_path, monkeypatch):
