@@ -133,7 +133,8 @@ def stored(identity) -> bool:
     """Whether a program kept under `identity` is on disk (loading it costs milliseconds, against
     tracing and compiling it)."""
     root = directory()
-    return root is not None and os.path.exists(_path(root, identity))
+    # processes of JAX's multi-process runtime compile rather than load (CachedKernel._first_call)
+    return root is not None and jax.process_count() == 1 and os.path.exists(_path(root, identity))
 
 
 def _path(root, identity):
