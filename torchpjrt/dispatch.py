@@ -689,6 +689,8 @@ def _compile(lowering, sig, vals, static_positions, expected, identity=None):
 
     if lowering.has_dynamic_shape(vals):
         return run
+    # named after its lowering: XLA's program names, compile logs and profiles then say which op
+    run.__name__ = run.__qualname__ = getattr(fn, "__name__", "run")
     return kernel_cache.kept(jax.jit(run), identity)
 
 

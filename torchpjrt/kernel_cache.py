@@ -126,6 +126,8 @@ def kept_jit(fn, *identity):
     """jax.jit(fn), kept under `identity` (a name, then everything that fixes its program:
     argument shapes and dtypes, static values, the device): a warm process loads it rather than
     tracing and lowering it again for JAX's own cache."""
+    if getattr(fn, "__name__", None) == "<lambda>":  # named for XLA's compile logs and profiles
+        fn.__name__ = fn.__qualname__ = identity[0].replace(".", "_")
     return kept(jax.jit(fn), identity)
 
 
