@@ -86,23 +86,7 @@ def _zeros_fn(shape, dtype, device=0):
     return kernel_cache.kept_jit(lambda: jnp.zeros(shape, dtype), "storage.zeros", shape, str(dtype), device)
 
 
-HOST_ZEROS_BYTES = 1 << 20  # a zero fill at most this large is copied from the host the first time
-_zeros_seen = set()
-
-
 def _zeros(shape, dtype, device=0):
-    """Zeros for a new storage. The first fill of a small (shape, dtype) is copied from the host:
-    most are seen once (an optimizer's state, made at its first step), and a program of their
-    own would cost a compile (tens of milliseconds) for a copy of microseconds. A fill that comes
-    back runs the kept program."""
-    key = (shape, dtype, device)
-    if key not in _zeros_seen:
-        _zeros_seen.add(key)
-        if math.prod(shape) * np.dtype(dtype).itemsize <= HOST_ZEROS_BYTES:
-            # placed as the program's result would be: the default device (placement.run_on commits
-            # another device's)
-            default_device()
-            return jax.device_put(np.zeros(shape, dtype))
     return call(_zeros_fn(shape, dtype, device))
 
 
