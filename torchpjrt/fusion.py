@@ -619,6 +619,7 @@ def _make_replay(nodes, input_slots, out_slots, n_slots, inputs, identity=None):
 
     from . import kernel_cache
 
+    replay.__name__ = replay.__qualname__ = "fused_graph"  # its name in XLA's compile logs and profiles
     jitted = kernel_cache.kept(jax.jit(replay), identity)
     if not layout:
         return jitted
