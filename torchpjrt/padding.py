@@ -436,9 +436,9 @@ def _expand_masks(x, indices):
         if t is not None and t.dtype == torch.bool:
             if t.device.type != "pjrt" or t.dim() == 0 or tuple(t.shape) != tuple(x.shape[dim:dim + t.dim()]):
                 return None  # the kernel gives CPU's errors for these
-            # unpadded too (a count that filled its bucket, a mask of one element): the index
-            # kernel on coordinates is kept and traced once per shape, where the exact kernel on a
-            # mask runs JAX's element-by-element ops and compiles each of them in every process
+            # unpadded too (a mask that selects nothing, a mask of one element): the index kernel
+            # on coordinates is kept and traced once per shape, where the exact kernel on a mask
+            # runs JAX's element-by-element ops and compiles each of them in every process
             coords = aten.nonzero.default(t)
             expanded.extend(coords.unbind(1))
             dim += t.dim()

@@ -691,8 +691,8 @@ def resize(t: torch.Tensor, size) -> None:
 
 @functools.lru_cache(maxsize=4096)
 def _grow_fn(old_n, new_n, dtype, old_shape, device):
-    return kernel_cache.kept_jit(lambda x: jnp.concatenate([x.reshape(-1), jnp.zeros((new_n - old_n,), dtype)]), "storage.grow",
-                 old_n, new_n, str(dtype), old_shape, device)
+    return kernel_cache.kept_jit(lambda x: jnp.concatenate([x.reshape(-1), jnp.zeros((new_n - old_n,), dtype)]),
+                                 "storage.grow", old_n, new_n, str(dtype), old_shape, device)
 
 
 def span(size, stride) -> int:
