@@ -242,7 +242,10 @@ def test_sizes_in_one_bucket_compile_nothing_new():
 
 
 def test_bucket_sizes():
-    assert [padding.bucket(n, 1000) for n in (1, 8, 9, 16, 17, 600)] == [8, 8, 16, 16, 32, 1000]
+    # sizes that can reach 256 and more start at 64; smaller limits start lower, from 8
+    assert [padding.bucket(n, 1000) for n in (1, 64, 65, 128, 129, 600)] == [64, 64, 128, 128, 256, 1000]
+    assert [padding.bucket(n, 100) for n in (1, 16, 17, 33)] == [16, 16, 32, 64]
+    assert [padding.bucket(n, 30) for n in (1, 8, 9, 17)] == [8, 8, 16, 30]
     assert padding.bucket(5, 6) == 6
 
 
@@ -334,7 +337,7 @@ def test_a_sequence_grown_a_token_at_a_time_compiles_per_bucket(mode):
     with torchpjrt.eager_mode(mode, **({"compile_after": 1} if mode == "fused" else {})):
         seq, want = torch.arange(5).reshape(1, 5).to("pjrt"), torch.arange(5).reshape(1, 5)
         compiled = []
-        for step in range(40):
+        for step in range(70):
             token = (seq[:, -1:] * 7 + step) % 11  # a view of the sequence's last position
             want = torch.cat([want, (want[:, -1:] * 7 + step) % 11], -1)
             before = dispatch.stats["compiled"]
@@ -342,17 +345,18 @@ def test_a_sequence_grown_a_token_at_a_time_compiles_per_bucket(mode):
             done = bool((seq[:, -1] == 3).any())  # an end-of-sequence check on the last token
             compiled.append(dispatch.stats["compiled"] - before)
             assert done == bool((want[:, -1] == 3).any())
-        assert torch.equal(seq.cpu(), want) and seq.is_contiguous() and seq.shape == (1, 45)
-        assert padding.storage_padding_of(seq) == (45, 64)
-        # lengths 34..45 share bucket 64: once its first append compiled, nothing more does
-        assert sum(compiled[29:]) == 0, compiled
+        assert torch.equal(seq.cpu(), want) and seq.is_contiguous() and seq.shape == (1, 75)
+        assert padding.storage_padding_of(seq) == (75, 128)
+        # lengths 7..64 share bucket 64 and 65..75 bucket 128: once each bucket's first append
+        # compiled, nothing more does
+        assert sum(compiled[4:59]) == 0 and sum(compiled[62:]) == 0, compiled
 
 
 def test_only_a_repeated_append_of_a_batch_of_one_is_padded():
     one = torch.cat([torch.zeros(1, 3, device="pjrt"), torch.ones(1, 1, device="pjrt")], 1)
     assert padding.storage_padding_of(one) is None  # a single cat stays exact
     two = torch.cat([one, torch.ones(1, 1, device="pjrt")], 1)
-    assert padding.storage_padding_of(two) == (5, 8) and two.stride() == (8, 1)
+    assert padding.storage_padding_of(two) == (5, 64) and two.stride() == (64, 1)
     # its strides are the CPU's but for the dimension of size 1, which addresses nothing
     assert two.is_contiguous() and torch.equal(two.cpu(), torch.tensor([[0.0, 0, 0, 1, 1]]))
     rows = torch.cat([torch.zeros(2, 3, device="pjrt"), torch.ones(2, 1, device="pjrt")], 1)
@@ -372,4 +376,4 @@ def test_gradients_flow_through_a_grown_sequence():
             seq = torch.cat([seq, seq[:, -1:] * 0.5 + i], 1)
         (seq * torch.arange(9.0, device=seq.device)).sum().backward()
     torch.testing.assert_close(pw.grad.cpu(), w.grad)
-    assert padding.storage_padding_of(seq) == (9, 16)
+    assert padding.storage_padding_of(seq) == (9, 64)

@@ -52,12 +52,19 @@ aten = torch.ops.aten
 # read when kernels are registered; switching it off later stops new padded results
 enabled = os.environ.get("TORCHPJRT_PADDING", "on").strip().lower() not in ("0", "off", "false", "no")
 MIN_BUCKET = 8
+# Where sizes can reach 256 and more, the smallest bucket is 64: small sizes are the rare ones
+# there (an expert that got few of a batch's tokens), and each first sighting of a bucket
+# compiles every kernel that follows it again, in the middle of training; 64 positions more
+# cost nothing next to that.
+LARGE_MIN_BUCKET = 64
 live = 0  # padded storages alive: while 0, every rule's wrapper returns at once
 
 
 def bucket(n: int, limit: int) -> int:
-    """The padded size for n: the next power of two (at least MIN_BUCKET), at most `limit`."""
-    return min(max(1 << max(n - 1, 0).bit_length(), MIN_BUCKET), limit)
+    """The padded size for n: the next power of two, at least the smallest bucket (MIN_BUCKET,
+    growing with `limit` up to LARGE_MIN_BUCKET), at most `limit`."""
+    smallest = min(max(1 << max((limit // 4).bit_length() - 1, 0), MIN_BUCKET), LARGE_MIN_BUCKET)
+    return min(max(1 << max(n - 1, 0).bit_length(), smallest), limit)
 
 
 def _forget(_):
