@@ -517,14 +517,18 @@ class LoweredKernel:
                 raise
         if self._factory and meta_out is not None:
             _check_allocation(meta_out)
-        if self.lays_out and meta_out is not None:
+        orders = None
+        if self.lays_out and meta_out is not None and not _returns_list(self.op._schema):
             fix = _LAYOUT_FIXES.get(self.op)
-            strides = [m.stride() if storage.dense_order(m.shape, m.stride()) is not None else None
-                       for m in _flatten_tensors(fix(vals, meta_out) if fix is not None else meta_out)]
-            if any(strides):
-                self.layouts[key] = strides
+            metas = _flatten_tensors(fix(vals, meta_out) if fix is not None else meta_out)
+            orders = [storage.dense_order(m.shape, m.stride()) for m in metas]
+            if any(orders):
+                self.layouts[key] = [m.stride() if o is not None else None for m, o in zip(metas, orders)]
+            else:
+                orders = None
         fn = _compile(self.lowering, self.sig, vals[: self.n_inputs], self._static_positions, expected,
-                      identity=None if self.lowering.user_code else (self.op.name(), self.op._overloadname, key))
+                      identity=None if self.lowering.user_code else (self.op.name(), self.op._overloadname, key),
+                      orders=orders)
         self.cache[key] = fn
         stats["compiled"] += 1
         return fn
@@ -630,9 +634,11 @@ def _freeze(v):
     return v
 
 
-def _compile(lowering, sig, vals, static_positions, expected, identity=None):
+def _compile(lowering, sig, vals, static_positions, expected, identity=None, orders=None):
     """A jitted function of the dynamic arguments (tensors, traced scalars); with `identity`
-    (what fixes its program: the op and its kernel key), one whose executable is kept on disk."""
+    (what fixes its program: the op and its kernel key), one whose executable is kept on disk.
+    `orders` (per new result: a dim order, or None) lays results out in memory order for the
+    strides PyTorch gives them (storage.wrap_in_order), in the same program."""
     kinds = _kinds(sig, lowering)
     template = list(vals)
     dynamic = []
@@ -683,6 +689,8 @@ def _compile(lowering, sig, vals, static_positions, expected, identity=None):
             outs = tuple(
                 o.astype(d) if hasattr(o, "dtype") and o.dtype != d else o for o, d in zip(outs, expected)
             ) + outs[len(expected):]
+        if orders is not None:
+            outs = _laid_out(outs, orders)
         if check is not None:
             outs += (check.find(*full),)
         return outs
@@ -692,6 +700,17 @@ def _compile(lowering, sig, vals, static_positions, expected, identity=None):
     # named after its lowering: XLA's program names, compile logs and profiles then say which op
     run.__name__ = run.__qualname__ = getattr(fn, "__name__", "run")
     return kernel_cache.kept(jax.jit(run), identity)
+
+
+def _laid_out(outs, orders):
+    """The results transposed into their memory orders: one order per result that is an array
+    (a result left out, None, takes none: as _wrap_outputs hands out strides), the rest as they are."""
+    pending = iter(orders)
+    laid = []
+    for o in outs:
+        order = next(pending, None) if hasattr(o, "shape") else None
+        laid.append(o if order is None else jnp.transpose(o, order))
+    return tuple(laid)
 
 
 def _view_reader(t):
@@ -737,7 +756,7 @@ def _wrap_outputs(schema, outs, vals, sig, mutated_written=(), strides=None):
             o = next(it)
             stride = next(laid_out, None) if laid_out is not None and hasattr(o, "shape") else None
             if stride is not None:
-                results.append(storage.wrap_laid_out(o, None, stride))
+                results.append(storage.wrap_in_order(o, stride))
             else:
                 results.append(storage.wrap(o) if hasattr(o, "shape") else o)
     if len(results) == 1:
@@ -765,7 +784,7 @@ def make_functional_kernel(op, lowering):
                 if strides is None:
                     hot_path.stash.last_call = (k, key)  # a plain call: the hot kernel may replay it
                     return storage.wrap(outs[0])
-                return storage.wrap_laid_out(outs[0], None, strides[0])
+                return storage.wrap_in_order(outs[0], strides[0])
 
             return kernel
 

@@ -86,8 +86,22 @@ def _zeros_fn(shape, dtype, device=0):
     return kernel_cache.kept_jit(lambda: jnp.zeros(shape, dtype), "storage.zeros", shape, str(dtype), device)
 
 
+# Zero fills of up to this many bytes are shared between storages: an array never changes (a
+# write gives the storage a new one), so one fill per shape serves every `empty` read before it
+# is written, and the many small ones autograd and the optimizers make cost no program run.
+SHARED_ZEROS_BYTES = 256 * 1024
+
+
 def _zeros(shape, dtype, device=0):
+    if math.prod(shape) * np.dtype(dtype).itemsize <= SHARED_ZEROS_BYTES:
+        return _shared_zeros(shape, dtype, device)
     return call(_zeros_fn(shape, dtype, device))
+
+
+@functools.lru_cache(maxsize=128)  # at most 32 MiB held
+def _shared_zeros(shape, dtype, device):
+    # run now even while fused mode records: a graph's pending result cannot be shared
+    return _zeros_fn(shape, dtype, device)()
 
 
 def default_device():
@@ -520,6 +534,19 @@ def wrap_laid_out(array, dtype: torch.dtype, stride) -> torch.Tensor:
     size = tuple(array.shape)
     t = wrap(call(_to_order_fn(order, aval_of(array)), array), dtype)
     set_geometry(t, size, tuple(stride), 0)
+    return t
+
+
+def wrap_in_order(array, stride) -> torch.Tensor:
+    """A new pjrt tensor with the given strides (a dense permutation) over `array`, which holds
+    its elements in memory order already: outermost dim first, as dense_order sorts them (a
+    kernel laid it out in its own program: no separate transpose)."""
+    order = sorted(range(len(stride)), key=lambda d: -stride[d])
+    size = [0] * len(order)
+    for i, d in enumerate(order):
+        size[d] = array.shape[i]
+    t = wrap(array)
+    set_geometry(t, tuple(size), tuple(stride), 0)
     return t
 
 
