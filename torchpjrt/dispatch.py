@@ -398,8 +398,20 @@ class LoweredKernel:
                         continue
                     if multi:
                         on = _op_device(on, t)
-                    parts.append((t.shape, t.dtype))
-                    arrays.append(storage.read(t))
+                    st = t.untyped_storage()._pjrt
+                    if t.shape == st.shape and t.dtype is st.dtype and t.storage_offset() == 0 and t.is_contiguous():
+                        parts.append((t.shape, t.dtype))
+                        arrays.append(st.array if st.array is not None else st.value())
+                    else:
+                        # a view in a list (rotate_half's cat of two halves): read in the op's
+                        # program, as a view argument is
+                        offset = storage.runtime_offset(st, t)
+                        if offset is None:
+                            parts.append((t.shape, t.dtype, (st.shape, st.dtype, t.stride(), t.storage_offset())))
+                            arrays.append(st.value())
+                        else:
+                            parts.append((t.shape, t.dtype, (st.shape, st.dtype, t.stride())))
+                            arrays.append((st.value(), offset))
                 key.append(tuple(parts))
                 dyn.append(arrays)
             elif k == SCALAR_LIST and not self.lowering.static:
@@ -643,6 +655,7 @@ def _compile(lowering, sig, vals, static_positions, expected, identity=None, ord
     template = list(vals)
     dynamic = []
     view_readers = {}
+    list_readers = {}  # per list argument: per element, its view's reader or None
     for i, v in enumerate(vals):
         k = kinds[i]
         if k == TENSOR:
@@ -657,6 +670,9 @@ def _compile(lowering, sig, vals, static_positions, expected, identity=None, ord
                 template[i] = v
         elif k == TENSOR_LIST:
             dynamic.append(i)
+            readers = [_view_reader(t) if isinstance(t, torch.Tensor) else None for t in v]
+            if any(r is not None for r in readers):
+                list_readers[i] = readers
         elif k == SCALAR_LIST and not lowering.static:
             dynamic.append(i)
         elif k == SCALAR:
@@ -679,6 +695,8 @@ def _compile(lowering, sig, vals, static_positions, expected, identity=None, ord
             full[pos] = v
         for pos, reader in view_readers.items():
             full[pos] = reader(full[pos])
+        for pos, readers in list_readers.items():
+            full[pos] = [x if r is None else r(x) for r, x in zip(readers, full[pos])]
         if random:
             full.append(random_state.key_from_seed_offset(dyn[n_dyn]))
         out = fn(*full)
@@ -815,6 +833,32 @@ def make_functional_kernel(op, lowering):
     return mutating_kernel
 
 
+def _targets_overlap(targets) -> bool:
+    """Whether tensors an in-place foreach op writes may share elements (the same tensor twice,
+    views of one storage whose spans meet)."""
+    spans = []
+    for t in targets:
+        if t is not None and t.numel():
+            start = t.data_ptr()  # storages have addresses of their own (storage.give_address)
+            last = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+            spans.append((start, start + (last + 1) * t.element_size()))
+    spans.sort()
+    return any(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:]))
+
+
+def _foreach_in_turn(k, sig, vals, returns_self):
+    """An in-place foreach op whose targets overlap, one tensor at a time as CPU runs it: a
+    later tensor sees what an earlier one wrote (one program over all would read them all first)."""
+    targets = vals[0]
+    for j, target in enumerate(targets):
+        one = [v[j:j + 1] if kind in (TENSOR_LIST, SCALAR_LIST) or (kind == TENSOR and name == "scalars") else v
+               for v, kind, name in zip(vals, sig.kinds, sig.names)]
+        outs, _ = k.compute_keyed(one)
+        if target is not None:
+            storage.write(target, outs[0])
+    return targets if returns_self else None
+
+
 def make_inplace_kernel(op, functional, lowering):
     """`x.add_(y)`: compute add(x, y), write it into x (PyTorch's checks come from meta)."""
     k = LoweredKernel(op, lowering, inplace_of=functional)
@@ -825,6 +869,8 @@ def make_inplace_kernel(op, functional, lowering):
 
         def list_kernel(*args, **kwargs):
             vals = sig.values(args, kwargs)
+            if _targets_overlap(vals[0]):
+                return _foreach_in_turn(k, sig, vals, returns_self)
             outs, key = k.compute_keyed(vals)
             for t, o in zip(vals[0], outs):
                 storage.write(t, o)

@@ -381,6 +381,9 @@ class HotKernel final : public c10::OperatorKernel {
             Held h;
             if (!t.defined() || !tensor_key(t, h, key, recording) || !h.whole) return false;
             if (inplace_ && i == 0) {
+              // a tensor written twice: CPU applies the op to it twice, in turn (the Python kernel)
+              for (PyObject* seen : targets.items)
+                if (seen == h.storage) return false;
               Py_INCREF(h.storage);
               if (!targets.push(h.storage)) return false;
             }
