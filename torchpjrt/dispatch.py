@@ -366,6 +366,8 @@ class LoweredKernel:
                     else:
                         key.append((st.shape, st.dtype, v.stride()))
                         dyn.append((st.value(), offset))
+                if st.padding is not None:
+                    _key_beyond(v, key, dyn)
             elif k == SCALAR:
                 if scalar_is_static(v, i, static_positions):
                     key.append(("s", type(v), v))  # True == 1 == 1.0: the type tells them apart
@@ -400,18 +402,21 @@ class LoweredKernel:
                         on = _op_device(on, t)
                     st = t.untyped_storage()._pjrt
                     if t.shape == st.shape and t.dtype is st.dtype and t.storage_offset() == 0 and t.is_contiguous():
-                        parts.append((t.shape, t.dtype))
+                        part = [t.shape, t.dtype]
                         arrays.append(st.array if st.array is not None else st.value())
                     else:
                         # a view in a list (rotate_half's cat of two halves): read in the op's
                         # program, as a view argument is
                         offset = storage.runtime_offset(st, t)
                         if offset is None:
-                            parts.append((t.shape, t.dtype, (st.shape, st.dtype, t.stride(), t.storage_offset())))
+                            part = [t.shape, t.dtype, (st.shape, st.dtype, t.stride(), t.storage_offset())]
                             arrays.append(st.value())
                         else:
-                            parts.append((t.shape, t.dtype, (st.shape, st.dtype, t.stride())))
+                            part = [t.shape, t.dtype, (st.shape, st.dtype, t.stride())]
                             arrays.append((st.value(), offset))
+                    if st.padding is not None:
+                        _key_beyond(t, part, arrays)
+                    parts.append(tuple(part))
                 key.append(tuple(parts))
                 dyn.append(arrays)
             elif k == SCALAR_LIST and not self.lowering.static:
@@ -661,7 +666,7 @@ def _compile(lowering, sig, vals, static_positions, expected, identity=None, ord
         if k == TENSOR:
             if isinstance(v, torch.Tensor):
                 dynamic.append(i)
-                reader = _view_reader(v)
+                reader = masked_reader(v, _view_reader(v))
                 if reader is not None:
                     view_readers[i] = reader
             elif v is not None and not (isinstance(v, bool) or v == 1):
@@ -670,7 +675,7 @@ def _compile(lowering, sig, vals, static_positions, expected, identity=None, ord
                 template[i] = v
         elif k == TENSOR_LIST:
             dynamic.append(i)
-            readers = [_view_reader(t) if isinstance(t, torch.Tensor) else None for t in v]
+            readers = [masked_reader(t, _view_reader(t)) if isinstance(t, torch.Tensor) else None for t in v]
             if any(r is not None for r in readers):
                 list_readers[i] = readers
         elif k == SCALAR_LIST and not lowering.static:
@@ -718,6 +723,32 @@ def _compile(lowering, sig, vals, static_positions, expected, identity=None, ord
     # named after its lowering: XLA's program names, compile logs and profiles then say which op
     run.__name__ = run.__qualname__ = getattr(fn, "__name__", "run")
     return kernel_cache.kept(jax.jit(run), identity)
+
+
+def _key_beyond(t, key, dyn) -> None:
+    """A view of a padded storage that padding.py's rule marked (padding._masked): its positions
+    from n on are read as a fill value, in the op's program; n, which changes with the data, is
+    an argument next to the view's array."""
+    beyond = getattr(t, padding.BEYOND, None)
+    if beyond is not None:
+        dim, n, fill = beyond
+        key.append(("beyond", dim, repr(fill)))  # repr: -0.0 and 0 differ
+        dyn[-1] = (dyn[-1], n)
+
+
+def masked_reader(t, reader):
+    """`reader` (a view's, or None) for an argument padding.py marked, followed by the fill of its
+    positions from n on (as compute_keyed passes it: (array or view argument, n))."""
+    beyond = getattr(t, padding.BEYOND, None) if t.device.type == "pjrt" else None
+    if beyond is None:
+        return reader
+    dim, _, fill = beyond
+
+    def read(arg):
+        x, n = arg
+        return padding.fill_beyond(x if reader is None else reader(x), n, dim, fill)
+
+    return read
 
 
 def _laid_out(outs, orders):
@@ -804,6 +835,7 @@ def make_functional_kernel(op, lowering):
                     return storage.wrap(outs[0])
                 return storage.wrap_in_order(outs[0], strides[0])
 
+            kernel.reads_beyond = True  # every tensor argument goes through compute_keyed
             return kernel
 
         def kernel(*args, **kwargs):
@@ -812,6 +844,7 @@ def make_functional_kernel(op, lowering):
             hot_path.stash.last_call = (k, key)  # the hot kernel may replay it (if its results are plain)
             return _wrap_outputs(schema, outs, vals, sig, strides=k.strides_for(key))
 
+        kernel.reads_beyond = True
         return kernel
 
     allow_overlap = op in _OVERLAPPING_WRITES_ALLOWED
@@ -830,6 +863,7 @@ def make_functional_kernel(op, lowering):
                 storage.write(target, new, allow_overlap=allow_overlap)
         return _wrap_outputs(schema, regular, vals, sig, strides=k.strides_for(key))
 
+    mutating_kernel.reads_beyond = True
     return mutating_kernel
 
 
@@ -892,6 +926,7 @@ def make_inplace_kernel(op, functional, lowering):
         hot_path.stash.last_call = (k, key, outs, (self,))  # the hot kernel may replay it if the write was plain
         return self
 
+    kernel.reads_beyond = True
     return kernel
 
 

@@ -117,24 +117,36 @@ def _widened(t, d, B):
     return t.as_strided(size, t.stride(), t.storage_offset())
 
 
+def fill_beyond(x, n, dim, fill):
+    """`x` with its positions from n on along `dim` set to `fill` (traced: n is an argument)."""
+    keep = lax.broadcasted_iota(jnp.int64, x.shape, dim) < n
+    return jnp.where(keep, x, jnp.asarray(fill, x.dtype) if x.dtype != jnp.bool_ else False)
+
+
 @functools.lru_cache(maxsize=None)
 def _fill_beyond_fn(shape, dtype, dim, fill, device):
-    def fill_beyond(x, n):
-        keep = lax.broadcasted_iota(jnp.int64, x.shape, dim) < n
-        return jnp.where(keep, x, jnp.asarray(fill, x.dtype) if x.dtype != jnp.bool_ else False)
-
     # kept on disk like every kernel: a warm process loads it instead of tracing it
-    return kernel_cache.kept_jit(fill_beyond, "padding.fill_beyond", shape, str(dtype), dim, fill, device)
+    return kernel_cache.kept_jit(lambda x, n: fill_beyond(x, n, dim, fill), "padding.fill_beyond", shape,
+                                 str(dtype), dim, fill, device)
 
 
-def _masked(t, d, n, B, fill=None):
-    """The padded view of `t` with the positions from n on along d set to `fill` (-0.0 for
-    floating point: adds nothing; 0 for integers): a new tensor."""
+BEYOND = "_pjrt_beyond"  # the attribute marking a padded view whose op reads it masked
+
+
+def _masked(t, d, n, B, fill=None, kernel=None):
+    """The padded view of `t` with the positions from n on along d read as `fill` (-0.0 for
+    floating point: adds nothing; 0 for integers). Handed to `kernel`, an op kernel of
+    dispatch.py (`reads_beyond`), it is the view itself, marked: the op's own program reads it
+    so (dispatch.masked_reader), with no program of its own; otherwise a new tensor."""
     if fill is None:
         fill = -0.0 if (t.dtype.is_floating_point or t.dtype.is_complex) else 0
-    array = storage.read(_widened(t, d, B))
-    fill_beyond = _fill_beyond_fn(tuple(array.shape), array.dtype, d, fill, placement.index_of(array))
-    return storage.wrap(fusion.call(fill_beyond, array, n), t.dtype)
+    wide = _widened(t, d, B)
+    if getattr(kernel, "reads_beyond", False):
+        setattr(wide, BEYOND, (d, n, fill))
+        return wide
+    array = storage.read(wide)
+    masked = _fill_beyond_fn(tuple(array.shape), array.dtype, d, fill, placement.index_of(array))
+    return storage.wrap(fusion.call(masked, array, n), t.dtype)
 
 
 def _same_padding(found):
@@ -252,8 +264,8 @@ def _matmul(first, batched):
                 return NotImplemented
             n, B = pa[1:]
             if pa[0] == col and pb[0] == row:  # the contracted dimension: masked
-                wide[first] = _masked(a, col, n, B)
-                wide[first + 1] = _masked(b, row, n, B)
+                wide[first] = _masked(a, col, n, B, kernel=kernel)
+                wide[first + 1] = _masked(b, row, n, B, kernel=kernel)
                 return _call(kernel, sig, wide)
             if batched and pa[0] == 0 and pb[0] == 0:
                 wide[first], wide[first + 1] = _widened(a, 0, B), _widened(b, 0, B)
@@ -297,7 +309,7 @@ def _sum(kernel, sig, vals):
     if p[0] not in reduced:
         return _reduced_apart(kernel, sig, vals, p, reduced, keepdim)
     wide = list(vals)
-    wide[0] = _masked(x, *p)
+    wide[0] = _masked(x, *p, kernel=kernel)
     return _call(kernel, sig, wide)
 
 
@@ -307,7 +319,7 @@ def _sum_all(kernel, sig, vals):
     if p is None:
         return NotImplemented
     wide = list(vals)
-    wide[0] = _masked(vals[0], *p)
+    wide[0] = _masked(vals[0], *p, kernel=kernel)
     return _call(kernel, sig, wide)
 
 
@@ -379,7 +391,7 @@ def _nll_forward(kernel, sig, vals):
         return NotImplemented
     n, B = nb
     wide = list(vals)
-    wide[0], wide[1] = _widened(x, 0, B), _masked(target, 0, n, B, ignore_index)
+    wide[0], wide[1] = _widened(x, 0, B), _masked(target, 0, n, B, ignore_index, kernel)
     output, total_weight = _call(kernel, sig, wide)
     return (_mark(output, 0, n) if reduction == 0 else output), total_weight
 
@@ -391,7 +403,7 @@ def _nll_backward(kernel, sig, vals):
         return NotImplemented
     n, B = nb
     wide = list(vals)
-    wide[1], wide[2] = _widened(x, 0, B), _masked(target, 0, n, B, ignore_index)
+    wide[1], wide[2] = _widened(x, 0, B), _masked(target, 0, n, B, ignore_index, kernel)
     if reduction == 0:
         wide[0] = _widened(grad_output, 0, B)
     return _mark(_call(kernel, sig, wide), 0, n)
@@ -431,7 +443,7 @@ def _index(kernel, sig, vals):
         return NotImplemented
     first, n, B = found
     wide = list(vals)
-    wide[1] = [None if t is None else _masked(t, 0, n, B, 0) for t in indices]
+    wide[1] = [None if t is None else _masked(t, 0, n, B, 0, kernel) for t in indices]
     return _mark_results(_call(kernel, sig, wide), first, n)
 
 
@@ -473,7 +485,7 @@ def _index_select(kernel, sig, vals):
         return NotImplemented
     _, n, B = p
     wide = list(vals)
-    wide[2] = _masked(index, 0, n, B, 0)
+    wide[2] = _masked(index, 0, n, B, 0, kernel)
     return _mark_results(_call(kernel, sig, wide), dim % x.dim(), n)
 
 
@@ -485,8 +497,8 @@ def _index_add(kernel, sig, vals):
         return NotImplemented
     _, n, B = pi
     wide = list(vals)
-    wide[2] = _masked(index, 0, n, B, 0)
-    wide[3] = _masked(source, ps[0], n, B)
+    wide[2] = _masked(index, 0, n, B, 0, kernel)
+    wide[3] = _masked(source, ps[0], n, B, kernel=kernel)
     return _call(kernel, sig, wide)
 
 
@@ -509,8 +521,8 @@ def _index_put(kernel, sig, vals):
     if pv[1:] != (n, B) or pv[0] != values.dim() - result_rank + first:
         return NotImplemented
     wide = list(vals)
-    wide[1] = [None if t is None else _masked(t, 0, n, B, 0) for t in indices]
-    wide[2] = _masked(values, pv[0], n, B)
+    wide[1] = [None if t is None else _masked(t, 0, n, B, 0, kernel) for t in indices]
+    wide[2] = _masked(values, pv[0], n, B, kernel=kernel)
     return _call(kernel, sig, wide)
 
 
