@@ -130,3 +130,26 @@ def test_in_place_foreach_on_overlapping_tensors_runs_them_in_turn(mode):
                 f(want)
                 f(got)
                 torch.testing.assert_close(got.cpu(), want, msg=f"case {i}")
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_item_of_a_view_of_a_small_storage_runs_no_program(mode):
+    """`.item()` of an element of a small tensor (a loop over the experts a routing hit, over a
+    nonzero result's rows) takes it from the storage's host copy: no strided-read program, one
+    copy for every element, and a write gives the next read the new values."""
+    with torchpjrt.eager_mode(mode):
+        for dtype in (torch.float32, torch.int64, torch.bool, torch.bfloat16, torch.complex64):
+            x = (torch.randn(5, 7, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+            px = x.to("pjrt")
+            torch.pjrt.synchronize()
+            got, reads = _runs_of("storage.read", lambda: [[px[i, j].item() for j in range(7)] for i in range(5)])
+            want = [[x[i, j].item() for j in range(7)] for i in range(5)]
+            assert got == want and type(got[1][2]) is type(want[1][2]) and reads == 0, dtype
+            assert px.t()[3, 2].item() == x.t()[3, 2].item()
+            px[1, 2] = 7
+            x[1, 2] = 7
+            assert px[1, 2].item() == x[1, 2].item()
+        big = torch.arange(10000, device="pjrt")  # a large storage: only the element is read
+        assert big[9999].item() == 9999
+        hits = torch.tensor([0, 1, 0, 1, 1], device="pjrt").nonzero()
+        assert [int(e[0]) for e in hits] == [1, 3, 4]

@@ -1575,12 +1575,23 @@ def _copy_strides(self, memory_format):
     return _format_strides(tuple(self.shape), memory_format)
 
 
+_ITEM_FROM_HOST_COPY = 4096  # storages up to this many elements are copied whole for .item()
+
+
 def k_local_scalar_dense(self):
     if self.numel() != 1:
         raise RuntimeError(f"a Tensor with {self.numel()} elements cannot be converted to Scalar")
     stats["host_read"] += 1
     try:
-        value = np.asarray(fusion.concrete(storage.read(self), "item")).reshape(()).item()
+        st = self.untyped_storage()._pjrt
+        if self.dtype is st.dtype and st.numel <= _ITEM_FROM_HOST_COPY:
+            # the element from the storage's host copy (jax keeps it with the array, which a write
+            # replaces): the loop over a routing's experts reads each from one copy, and a view
+            # needs no strided-read program
+            host = np.asarray(fusion.concrete(st.value(), "item"))
+            value = host.reshape(-1)[self.storage_offset()].item()
+        else:
+            value = np.asarray(fusion.concrete(storage.read(self), "item")).reshape(()).item()
     except jax.errors.JaxRuntimeError as e:  # an asynchronous failure (out of memory) shows here
         raise fusion.device_error(e) from e
     device_checks.raise_pending()
