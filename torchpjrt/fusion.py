@@ -457,17 +457,27 @@ def _stored(identity) -> bool:
 def _pass_through() -> bool:
     """Whether this op runs at once (a flush-heavy region; see the module's docstring). Never
     while ops are pending: a region starts right after a flush."""
-    global _passthrough_left
+    global _passthrough_left, _unsettled
     if _graph.nodes:
         return False
-    settle_hot_calls()
+    # the hot path's calls are counted against the region every SETTLE_EVERY ops, and at each op
+    # near its end (two calls into the helper an op cost strict mode's speed); meanwhile its own
+    # budget, set at the last count, is the larger: the region ends on this side
+    _unsettled += 1
+    if _unsettled >= SETTLE_EVERY or _passthrough_left <= SETTLE_EVERY:
+        _unsettled = 0
+        settle_hot_calls()
     if _passthrough_left:
         _passthrough_left -= 1
         if not _passthrough_left:
             stats["passthrough_ends"] += 1
-        _sync_records_ops()
+            _sync_records_ops()
     stats["ops_passed_through"] += 1
     return True
+
+
+SETTLE_EVERY = 64
+_unsettled = 0
 
 
 def settle_hot_calls():
@@ -493,9 +503,19 @@ def _sync_records_ops():
 def _computed(args):
     """`args` with each Pending (from a graph run earlier) replaced by its array, for an op run at
     once in fused mode."""
-    if not _has_pending(args):
-        return args
-    return jax.tree_util.tree_map(lambda x: x.concrete() if type(x) is Pending else x, args)
+    if _nested_pending(args):
+        return jax.tree_util.tree_map(lambda x: x.concrete() if type(x) is Pending else x, args)
+    return args
+
+
+def _nested_pending(args) -> bool:
+    """_has_pending for a kernel's arguments (arrays, (array, offset) pairs, lists of them),
+    without a tree walk."""
+    for a in args:
+        t = type(a)
+        if t is Pending or ((t is tuple or t is list) and _nested_pending(a)) or (t is dict and _has_pending(a)):
+            return True
+    return False
 
 
 def _note_outcome(compiled: bool, n_ops: int) -> None:
