@@ -153,3 +153,22 @@ def test_item_of_a_view_of_a_small_storage_runs_no_program(mode):
         assert big[9999].item() == 9999
         hits = torch.tensor([0, 1, 0, 1, 1], device="pjrt").nonzero()
         assert [int(e[0]) for e in hits] == [1, 3, 4]
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_out_into_an_empty_tensor_grows_it_without_a_program(mode):
+    """An op writing into an empty `out=` tensor resizes it first: there is nothing to keep, so
+    the grown storage is a zero fill (shared when small), with no growing program; a storage
+    with elements still keeps them when it grows."""
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(0))
+    with torchpjrt.eager_mode(mode):
+        px = x.to("pjrt")
+        torch.pjrt.synchronize()
+        for dtype in (torch.float32, torch.int64):
+            out = torch.empty(0, dtype=dtype, device="pjrt")
+            _, grows = _runs_of("storage.grow", lambda: torch.cumsum(px.to(dtype), 1, out=out))
+            torch.testing.assert_close(out.cpu(), torch.cumsum(x.to(dtype), 1))
+            assert grows == 0 and out.shape == (5, 6)
+        kept = torch.ones(3, device="pjrt")
+        kept.resize_(5)
+        assert kept.shape == (5,) and kept[:3].sum().item() == 3

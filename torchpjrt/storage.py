@@ -709,8 +709,15 @@ def resize(t: torch.Tensor, size) -> None:
     if need > st.numel:
         if need * st.dtype.itemsize > _capacity:
             check_allocation(need * st.dtype.itemsize)
-        old = st.value()
-        st.replace(call(_grow_fn(st.numel, need, dtypes.to_jax(st.dtype), st.shape, _device(old)), old))
+        if st.array is None or st.numel == 0:
+            # nothing to keep (an out= tensor made empty, resized by the op): a zero fill, shared
+            # when small, and no program
+            device = st.device if st.array is None else _device(st.array)
+            shape, dtype = (need,), dtypes.to_jax(st.dtype)
+            st.replace(placement.run_on(device, _zeros, shape, dtype, device) if device else _zeros(shape, dtype))
+        else:
+            old = st.value()
+            st.replace(call(_grow_fn(st.numel, need, dtypes.to_jax(st.dtype), st.shape, _device(old)), old))
         give_address(t.untyped_storage(), need * st.dtype.itemsize)  # reallocated, as on CPU
     stride = contiguous_strides(size)
     set_geometry(t, size, stride, offset)
