@@ -15,7 +15,7 @@ import os
 import re
 import threading
 import warnings
-from collections import Counter
+from collections import Counter, OrderedDict
 
 import jax
 import jax.numpy as jnp
@@ -445,7 +445,11 @@ class LoweredKernel:
             fn = self._build(vals, key)
         stats["lowered"] += 1
         try:
-            if on:
+            if not dyn and not on and not checked and not self._dynamic_shape and (
+                    not fusion._recording or (self.op, key) in _constants):
+                # no inputs (arange, a factory): one value (fused mode records a new one as before)
+                outs = _constant_results(fn, (self.op, key))
+            elif on:
                 outs = self._run_on(on, fn, key, dyn, vals)
             elif self._dynamic_shape and self.lowering.has_dynamic_shape(vals):
                 # data-dependent output shapes (nonzero, unique): the inputs must be known
@@ -723,6 +727,33 @@ def _compile(lowering, sig, vals, static_positions, expected, identity=None, ord
     # named after its lowering: XLA's program names, compile logs and profiles then say which op
     run.__name__ = run.__qualname__ = getattr(fn, "__name__", "run")
     return kernel_cache.kept(jax.jit(run), identity)
+
+
+_constants = OrderedDict()  # (op, kernel key) -> results, least recently used first
+CONSTANTS_KEPT = 128  # at most 32 MiB held
+CONSTANT_BYTES = 256 * 1024  # results up to this size are kept
+
+
+def _constant_results(fn, op_key):
+    """The results of a program without inputs (`torch.arange(n)`, a factory with every argument
+    static): they are the same at every call, and arrays never change (a write gives a storage a
+    new one), so small ones are computed once and shared."""
+    outs = _constants.get(op_key)
+    if outs is not None:
+        try:
+            _constants.move_to_end(op_key)
+        except KeyError:  # another thread dropped it meanwhile
+            pass
+        return outs
+    outs = fn()
+    if all(hasattr(o, "nbytes") for o in outs) and sum(o.nbytes for o in outs) <= CONSTANT_BYTES:
+        _constants[op_key] = outs
+        while len(_constants) > CONSTANTS_KEPT:
+            try:
+                _constants.popitem(last=False)
+            except KeyError:
+                break
+    return outs
 
 
 def _key_beyond(t, key, dyn) -> None:
