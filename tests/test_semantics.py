@@ -230,3 +230,37 @@ def test_factory_values_match_cpu():
     ]
     for case in cases:
         assert_same(case("cpu"), case("pjrt"))
+
+
+def test_programs_without_inputs_run_once_and_their_results_stay_apart(each_eager_mode):
+    """`torch.arange(n)`, `torch.zeros`, `torch.eye` with static arguments give the same values
+    every call: strict mode runs each program once and shares its small result. A write to one
+    result (in place, through a view, a transpose in place) must not reach another."""
+    from torchpjrt import kernel_cache
+
+    runs = []
+    original = kernel_cache.CachedKernel.__call__
+
+    def counting(self, *args):
+        runs.append(self.identity[0])
+        return original(self, *args)
+
+    for round in range(3):
+        kernel_cache.CachedKernel.__call__ = counting
+        try:
+            a, b = torch.arange(10, device="pjrt"), torch.arange(10, device="pjrt")
+        finally:
+            kernel_cache.CachedKernel.__call__ = original
+        if round and each_eager_mode == "strict":
+            assert "aten::arange.start_step" not in runs, runs
+        a.add_(1)
+        assert b.tolist() == list(range(10)) and a.tolist() == list(range(1, 11))
+        z = torch.zeros(3, 4, device="pjrt")
+        z[1] = 5
+        assert torch.zeros(3, 4, device="pjrt").sum().item() == 0 and z.sum().item() == 20
+        e = torch.eye(3, device="pjrt")
+        e.t_()[0, 1] = 7
+        assert torch.eye(3, device="pjrt").sum().item() == 3
+        r1, r2 = torch.randn(3, device="pjrt"), torch.randn(3, device="pjrt")
+        assert not torch.equal(r1, r2)  # random factories are not constants
+        runs.clear()
