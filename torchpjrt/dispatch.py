@@ -15,7 +15,7 @@ import os
 import re
 import threading
 import warnings
-from collections import Counter, OrderedDict
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
@@ -351,23 +351,7 @@ class LoweredKernel:
                     continue
                 if multi:
                     on = _op_device(on, v)
-                shape, dtype = v.shape, v.dtype
-                key.append(shape)
-                key.append(dtype)
-                if shape == st.shape and dtype is st.dtype and v.storage_offset() == 0 and v.is_contiguous():
-                    dyn.append(st.array if st.array is not None else st.value())
-                else:
-                    # a view: its strided read is compiled into this op (no separate dispatch),
-                    # its offset an argument where it can be (storage.runtime_offset)
-                    offset = storage.runtime_offset(st, v)
-                    if offset is None:
-                        key.append((st.shape, st.dtype, v.stride(), v.storage_offset()))
-                        dyn.append(st.value())
-                    else:
-                        key.append((st.shape, st.dtype, v.stride()))
-                        dyn.append((st.value(), offset))
-                if st.padding is not None:
-                    _key_beyond(v, key, dyn)
+                _key_tensor(v, st, key, dyn)
             elif k == SCALAR:
                 if scalar_is_static(v, i, static_positions):
                     key.append(("s", type(v), v))  # True == 1 == 1.0: the type tells them apart
@@ -400,22 +384,8 @@ class LoweredKernel:
                         continue
                     if multi:
                         on = _op_device(on, t)
-                    st = t.untyped_storage()._pjrt
-                    if t.shape == st.shape and t.dtype is st.dtype and t.storage_offset() == 0 and t.is_contiguous():
-                        part = [t.shape, t.dtype]
-                        arrays.append(st.array if st.array is not None else st.value())
-                    else:
-                        # a view in a list (rotate_half's cat of two halves): read in the op's
-                        # program, as a view argument is
-                        offset = storage.runtime_offset(st, t)
-                        if offset is None:
-                            part = [t.shape, t.dtype, (st.shape, st.dtype, t.stride(), t.storage_offset())]
-                            arrays.append(st.value())
-                        else:
-                            part = [t.shape, t.dtype, (st.shape, st.dtype, t.stride())]
-                            arrays.append((st.value(), offset))
-                    if st.padding is not None:
-                        _key_beyond(t, part, arrays)
+                    part = []  # a view in a list (rotate_half's cat of two halves) too
+                    _key_tensor(t, t.untyped_storage()._pjrt, part, arrays)
                     parts.append(tuple(part))
                 key.append(tuple(parts))
                 dyn.append(arrays)
@@ -446,9 +416,9 @@ class LoweredKernel:
         stats["lowered"] += 1
         try:
             if not dyn and not on and not checked and not self._dynamic_shape and (
-                    not fusion._recording or (self.op, key) in _constants):
+                    not fusion._recording or storage.is_shared((self.op, key))):
                 # no inputs (arange, a factory): one value (fused mode records a new one as before)
-                outs = _constant_results(fn, (self.op, key))
+                outs = storage.shared_result((self.op, key), fn)
             elif on:
                 outs = self._run_on(on, fn, key, dyn, vals)
             elif self._dynamic_shape and self.lowering.has_dynamic_shape(vals):
@@ -729,31 +699,26 @@ def _compile(lowering, sig, vals, static_positions, expected, identity=None, ord
     return kernel_cache.kept(jax.jit(run), identity)
 
 
-_constants = OrderedDict()  # (op, kernel key) -> results, least recently used first
-CONSTANTS_KEPT = 128  # at most 32 MiB held
-CONSTANT_BYTES = 256 * 1024  # results up to this size are kept
-
-
-def _constant_results(fn, op_key):
-    """The results of a program without inputs (`torch.arange(n)`, a factory with every argument
-    static): they are the same at every call, and arrays never change (a write gives a storage a
-    new one), so small ones are computed once and shared."""
-    outs = _constants.get(op_key)
-    if outs is not None:
-        try:
-            _constants.move_to_end(op_key)
-        except KeyError:  # another thread dropped it meanwhile
-            pass
-        return outs
-    outs = fn()
-    if all(hasattr(o, "nbytes") for o in outs) and sum(o.nbytes for o in outs) <= CONSTANT_BYTES:
-        _constants[op_key] = outs
-        while len(_constants) > CONSTANTS_KEPT:
-            try:
-                _constants.popitem(last=False)
-            except KeyError:
-                break
-    return outs
+def _key_tensor(v, st, key, dyn) -> None:
+    """Keys pjrt tensor `v` (of storage `st`) into `key` and its value into `dyn`: the array of a
+    whole storage; for a view the storage's array, the view's strided read compiled into the op
+    (_view_reader: no separate dispatch), its offset an argument where it can be
+    (storage.runtime_offset); a padded view's mark (_key_beyond)."""
+    shape, dtype = v.shape, v.dtype
+    key.append(shape)
+    key.append(dtype)
+    if shape == st.shape and dtype is st.dtype and v.storage_offset() == 0 and v.is_contiguous():
+        dyn.append(st.array if st.array is not None else st.value())
+    else:
+        offset = storage.runtime_offset(st, v)
+        if offset is None:
+            key.append((st.shape, st.dtype, v.stride(), v.storage_offset()))
+            dyn.append(st.value())
+        else:
+            key.append((st.shape, st.dtype, v.stride()))
+            dyn.append((st.value(), offset))
+    if st.padding is not None:
+        _key_beyond(v, key, dyn)
 
 
 def _key_beyond(t, key, dyn) -> None:

@@ -16,6 +16,7 @@ import functools
 import math
 import threading
 import warnings
+from collections import OrderedDict
 
 import jax
 import jax.numpy as jnp
@@ -58,10 +59,7 @@ class Storage:
     def value(self):
         if self.array is None:
             # PyTorch leaves empty() uninitialized; zeros are one valid content.
-            if self.device:
-                self._hold(placement.run_on(self.device, _zeros, self.shape, dtypes.to_jax(self.dtype), self.device))
-            else:
-                self._hold(_zeros(self.shape, dtypes.to_jax(self.dtype)))
+            self._hold(_zeros_on(self.device, self.shape, dtypes.to_jax(self.dtype)))
         return self.array
 
     def replace(self, array):
@@ -86,22 +84,49 @@ def _zeros_fn(shape, dtype, device=0):
     return kernel_cache.kept_jit(lambda: jnp.zeros(shape, dtype), "storage.zeros", shape, str(dtype), device)
 
 
-# Zero fills of up to this many bytes are shared between storages: an array never changes (a
-# write gives the storage a new one), so one fill per shape serves every `empty` read before it
-# is written, and the many small ones autograd and the optimizers make cost no program run.
-SHARED_ZEROS_BYTES = 256 * 1024
+# Results of programs without inputs (zero fills, `torch.arange(n)`, factories with static
+# arguments) are the same at every call, and an array never changes (a write gives its storage a
+# new one): up to SHARED_BYTES, they are computed once and shared between storages, so the many
+# small fills and factories of autograd, optimizers and models run no program.
+SHARED_BYTES = 256 * 1024  # per result
+SHARED_KEPT = 256  # results, least recently used dropped: at most 64 MiB held
+_shared = OrderedDict()
+
+
+def shared_result(key, fn):
+    """fn()'s results (arrays; fn a program without inputs, `key` what fixes it), computed now
+    and, when small, kept for every later call under `key`."""
+    out = _shared.get(key)
+    if out is not None:
+        try:
+            _shared.move_to_end(key)
+        except KeyError:  # another thread dropped it meanwhile
+            pass
+        return out
+    out = fn()  # run now, even while fused mode records: a graph's pending result cannot be shared
+    if sum(getattr(a, "nbytes", SHARED_BYTES + 1) for a in jax.tree_util.tree_leaves(out)) <= SHARED_BYTES:
+        _shared[key] = out
+        while len(_shared) > SHARED_KEPT:
+            try:
+                _shared.popitem(last=False)
+            except KeyError:
+                break
+    return out
+
+
+def is_shared(key) -> bool:
+    return key in _shared
 
 
 def _zeros(shape, dtype, device=0):
-    if math.prod(shape) * np.dtype(dtype).itemsize <= SHARED_ZEROS_BYTES:
-        return _shared_zeros(shape, dtype, device)
+    if math.prod(shape) * np.dtype(dtype).itemsize <= SHARED_BYTES:
+        return shared_result(("storage.zeros", shape, dtype, device), _zeros_fn(shape, dtype, device))
     return call(_zeros_fn(shape, dtype, device))
 
 
-@functools.lru_cache(maxsize=128)  # at most 32 MiB held
-def _shared_zeros(shape, dtype, device):
-    # run now even while fused mode records: a graph's pending result cannot be shared
-    return _zeros_fn(shape, dtype, device)()
+def _zeros_on(device, shape, dtype):
+    """A zero fill on pjrt:`device`."""
+    return placement.run_on(device, _zeros, shape, dtype, device) if device else _zeros(shape, dtype)
 
 
 def default_device():
@@ -531,13 +556,10 @@ def wrap_laid_out(array, dtype: torch.dtype, stride) -> torch.Tensor:
     order = dense_order(array.shape, stride)
     if order is None:
         return wrap(array, dtype)
-    size = tuple(array.shape)
-    t = wrap(call(_to_order_fn(order, aval_of(array)), array), dtype)
-    set_geometry(t, size, tuple(stride), 0)
-    return t
+    return wrap_in_order(call(_to_order_fn(order, aval_of(array)), array), stride, dtype)
 
 
-def wrap_in_order(array, stride) -> torch.Tensor:
+def wrap_in_order(array, stride, dtype: torch.dtype = None) -> torch.Tensor:
     """A new pjrt tensor with the given strides (a dense permutation) over `array`, which holds
     its elements in memory order already: outermost dim first, as dense_order sorts them (a
     kernel laid it out in its own program: no separate transpose)."""
@@ -545,7 +567,7 @@ def wrap_in_order(array, stride) -> torch.Tensor:
     size = [0] * len(order)
     for i, d in enumerate(order):
         size[d] = array.shape[i]
-    t = wrap(array)
+    t = wrap(array, dtype)
     set_geometry(t, tuple(size), tuple(stride), 0)
     return t
 
@@ -712,9 +734,7 @@ def resize(t: torch.Tensor, size) -> None:
         if st.array is None or st.numel == 0:
             # nothing to keep (an out= tensor made empty, resized by the op): a zero fill, shared
             # when small, and no program
-            device = st.device if st.array is None else _device(st.array)
-            shape, dtype = (need,), dtypes.to_jax(st.dtype)
-            st.replace(placement.run_on(device, _zeros, shape, dtype, device) if device else _zeros(shape, dtype))
+            st.replace(_zeros_on(st.device if st.array is None else _device(st.array), (need,), dtypes.to_jax(st.dtype)))
         else:
             old = st.value()
             st.replace(call(_grow_fn(st.numel, need, dtypes.to_jax(st.dtype), st.shape, _device(old)), old))
