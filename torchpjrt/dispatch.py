@@ -11,6 +11,7 @@
 """
 
 import functools
+import math
 import os
 import re
 import threading
@@ -24,6 +25,7 @@ import torch
 from torch._ops import OpOverload
 
 from . import device_checks, dtypes, eager, fusion, hot_path, kernel_cache, live_programs, native, padding, placement, random_state, storage
+from .device import current_device as _current_device
 from .ops import TABLE, Lowering
 
 aten = torch.ops.aten
@@ -281,13 +283,13 @@ def _op_device(on, t):
 def _target_index(device):
     """The pjrt index a `device=` argument names (None or "pjrt": the current device), checked
     to exist and be usable; None for another device type (PyTorch's own checks then speak)."""
-    from .device import current_device
-
-    d = device if device is None or isinstance(device, torch.device) else torch.device(device)
-    if d is not None and d.type != "pjrt":
+    if device is None:
+        return _current_device()
+    d = device if isinstance(device, torch.device) else torch.device(device)
+    if d.type != "pjrt":
         return None
-    if d is None or d.index is None:
-        return current_device()
+    if d.index is None:
+        return _current_device()
     placement.require(d.index)
     return d.index
 
@@ -327,6 +329,7 @@ class LoweredKernel:
         self._call_check, self._signature_check = _ARGUMENT_CHECKS.get(op, (None, None))
         self._random, self._dynamic_shape = lowering.random, lowering.dynamic_shape  # read per call
         self._has_check = lowering.check is not None
+        self._checked_numbers = checked_numbers(op, self.sig, kinds)
 
     def compute(self, vals):
         """The lowering's outputs (a tuple of jax arrays) for normalized argument values."""
@@ -438,6 +441,8 @@ class LoweredKernel:
             # the program's last output is the check's vector: read at the next synchronization
             device_checks.record(outs[-1], self.lowering.check, self.op)
             outs = outs[:-1]
+        if self._checked_numbers is not None and outs:
+            _check_numbers(self._checked_numbers, vals, outs, self.op)
         return outs, key
 
     def _run_on(self, index, fn, key, dyn, vals):
@@ -569,6 +574,57 @@ def _check_advanced_index(vals):
 _ARGUMENT_CHECKS = dict.fromkeys(
     (aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default),
     (_warn_byte_mask, _check_advanced_index))
+
+
+# Number arguments CPU's kernels convert with overflow checks (dtypes.check_number_fits), by op
+# name (its in-place, out= and foreach forms alike): name -> {argument: converted to the result's
+# type (False) or to the type it computes in, float32 for float16/bfloat16 (True)}. Measured
+# against CPU with float16 1e6, int8 300, bfloat16 1e39 and int64 NaN.
+CHECKED_NUMBERS = {
+    "fill": {"value": False}, "masked_fill": {"value": False}, "index_fill": {"value": False},
+    "scatter": {"value": False}, "clamp": {"min": False, "max": False}, "clamp_min": {"min": False},
+    "clamp_max": {"max": False}, "add": {"alpha": False}, "sub": {"alpha": False},
+    "_foreach_add": {"alpha": False}, "_foreach_sub": {"alpha": False}, "pow": {"exponent": False},
+    "threshold": {"threshold": True, "value": False}, "hardtanh": {"min_val": False, "max_val": False},
+    "hardshrink": {"lambd": False}, "addcmul": {"value": True}, "addcdiv": {"value": True},
+    "_foreach_addcmul": {"value": True, "scalars": True}, "_foreach_addcdiv": {"value": True, "scalars": True},
+    "lerp": {"weight": True}, "_foreach_lerp": {"weight": True, "weights": True},
+    "_foreach_clamp_min": {"scalar": False, "scalars": False}, "_foreach_clamp_max": {"scalar": False, "scalars": False},
+    "_foreach_maximum": {"scalar": False, "scalars": False}, "_foreach_minimum": {"scalar": False, "scalars": False}, "addmm": {"beta": True, "alpha": True}, "addmv": {"beta": True, "alpha": True},
+    "addbmm": {"beta": True, "alpha": True}, "baddbmm": {"beta": True, "alpha": True}, "addr": {"beta": True, "alpha": True},
+    "leaky_relu": {"negative_slope": True}, "elu": {"alpha": True, "scale": True, "input_scale": True},
+    "softplus": {"beta": True, "threshold": True},
+}
+
+
+def checked_numbers(op, sig, kinds):
+    """((position, in the computing type), ...) of `op`'s number arguments CPU converts with
+    overflow checks, or None."""
+    table = CHECKED_NUMBERS.get(op._schema.name.removeprefix("aten::").rstrip("_"))
+    if table is None:
+        return None
+    out = tuple((i, table[name]) for i, (name, kind) in enumerate(zip(sig.names, kinds))
+                if name in table and kind in (SCALAR, SCALAR_LIST))
+    return out or None
+
+
+def _check_numbers(positions, vals, outs, op):
+    """Raise as CPU does when a number argument does not fit the type it is converted to: each
+    result's (a foreach op's may differ; CPU's one-element float16/bfloat16 fill_ converts
+    unchecked)."""
+    first = outs[0]
+    if op in _UNCHECKED_SINGLE_FILLS and first.dtype in dtypes.LOW_PRECISION and math.prod(first.shape) == 1:
+        return
+    for dtype in {dtypes.to_torch(o.dtype) for o in outs}:
+        for i, computing in positions:
+            target = dtypes.opmath(dtype) if computing else dtype
+            v = vals[i]
+            for number in (v if isinstance(v, (list, tuple)) else (v,)):
+                if number is not None and not isinstance(number, torch.Tensor):
+                    dtypes.check_number_fits(number, target)
+
+
+_UNCHECKED_SINGLE_FILLS = {aten.fill_.Scalar, aten.fill.Scalar}
 
 
 def _check_inplace_cast(functional, vals):
@@ -910,9 +966,12 @@ def make_inplace_kernel(op, functional, lowering):
         return list_kernel
 
     allow_overlap = op in _OVERLAPPING_WRITES_ALLOWED
+    constant_fill = op in CONSTANT_FILLS
 
     def kernel(*args, **kwargs):
         vals = sig.values(args, kwargs)
+        if constant_fill and _fill_whole(k, vals):
+            return vals[0]
         outs, key = k.compute_keyed(vals)
         out = outs[0]
         self = vals[0]
@@ -924,6 +983,33 @@ def make_inplace_kernel(op, functional, lowering):
 
     kernel.reads_beyond = True
     return kernel
+
+
+# zero_() and fill_(number) of a whole storage: its new array depends on nothing but the shape,
+# the dtype and the number, so small ones are shared results (storage.shared_result) and run no
+# program after the first (torch.zeros, ones_like, full: empty + fill_; autograd's seed gradient)
+CONSTANT_FILLS = {aten.zero_.default, aten.fill_.Scalar}
+
+
+def _fill_whole(k, vals) -> bool:
+    """Fill the whole storage of `vals[0]` from a shared result; False when it is not a plain
+    whole storage (a view, a padded storage, several devices) or the fill is too large."""
+    self = vals[0]
+    st = getattr(self.untyped_storage(), "_pjrt", None)
+    if st is None or st.padding is not None or placement.multi or storage.mesh_placements \
+            or self.dtype is not st.dtype or tuple(self.shape) != st.shape or self.storage_offset() \
+            or not self.is_contiguous() or st.numel * self.dtype.itemsize > storage.SHARED_BYTES:
+        return False
+    if len(vals) == 1:
+        array = storage.zeros(st.shape, dtypes.to_jax(self.dtype))
+    else:
+        value = vals[1]
+        if type(value) not in (bool, int, float):
+            return False
+        array = storage.filled(st.shape, dtypes.to_jax(self.dtype), value)
+        _check_numbers(k._checked_numbers, vals, (array,), k.op)
+    st.replace(array)
+    return True
 
 
 def _check_inplace_broadcast(result_shape, self_shape):

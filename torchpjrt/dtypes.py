@@ -1,5 +1,7 @@
 """Mapping between torch dtypes and JAX/numpy dtypes."""
 
+import math
+
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -95,3 +97,59 @@ def cpu_tensor_from_numpy(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     if via is not None:
         return torch.from_numpy(a.view(via[1])).view(dtype)
     return torch.from_numpy(a)
+
+
+# ---- numbers converted to a kernel's type ------------------------------------------------
+# CPU kernels convert some number arguments (fill_'s value, clamp's bounds, add's alpha) to the
+# type they compute in with c10::checked_convert, which raises when the number does not fit:
+# `half.fill_(1e6)` and `int8.masked_fill(mask, 300)` raise there, where an unchecked cast would
+# give inf or a wrapped integer. These are c10's names for the types in that error.
+_CPP_NAMES = {
+    torch.float16: "c10::Half", torch.bfloat16: "c10::BFloat16", torch.float32: "float", torch.float64: "double",
+    torch.int8: "int8_t", torch.uint8: "uint8_t", torch.int16: "int16_t", torch.int32: "int", torch.int64: "int64_t",
+    torch.uint16: "uint16_t", torch.uint32: "uint32_t", torch.uint64: "uint64_t",
+    torch.complex64: "c10::complex<float>", torch.complex128: "c10::complex<double>",
+}
+_COMPONENT = {torch.complex64: torch.float32, torch.complex128: torch.float64}
+_LIMITS = {}  # dtype -> (lowest, max)
+
+
+def _limits(dtype):
+    limits = _LIMITS.get(dtype)
+    if limits is None:
+        info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
+        limits = _LIMITS[dtype] = (info.min, info.max)
+    return limits
+
+
+def _overflows(value, dtype) -> bool:
+    """c10::overflows<dtype>(value): a number that does not fit the type."""
+    if isinstance(value, complex):
+        if not dtype.is_complex and value.imag != 0:
+            return True
+        part = _COMPONENT.get(dtype, dtype)
+        return _overflows(value.real, part) or _overflows(value.imag, part)
+    dtype = _COMPONENT.get(dtype, dtype)
+    lowest, highest = _limits(dtype)
+    if isinstance(value, float):
+        if value != value:
+            return not dtype.is_floating_point  # NaN fits a type that has it
+        if dtype.is_floating_point and value in (math.inf, -math.inf):
+            return False
+    elif lowest == 0 and value < 0:
+        return -value > highest  # an integer into an unsigned type may wrap around, as in `a - b`
+    return value < lowest or value > highest
+
+
+def check_number_fits(value, dtype: torch.dtype) -> None:
+    """Raise as CPU's checked conversion does when the number `value` does not fit `dtype`
+    (a bool always fits, and any number fits bool)."""
+    if type(value) is bool or dtype is torch.bool or dtype not in _CPP_NAMES:
+        return
+    if _overflows(value, dtype):
+        raise RuntimeError(f"value cannot be converted to type {_CPP_NAMES[dtype]} without overflow")
+
+
+def opmath(dtype: torch.dtype) -> torch.dtype:
+    """The type CPU kernels compute a low-precision float type in (float32)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype

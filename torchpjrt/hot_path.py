@@ -110,14 +110,15 @@ def start():
 def codes(op, lowering, sig, kinds, has_call_check, inplace=False) -> str | None:
     """The C++ kernel's per-argument codes for `op` (with `inplace`: an in-place form of the
     op `lowering` computes), or None when it does not serve it: 't' tensor, 'l' list of
-    tensors, 'n' traced number, 'N' number the lowering wants static, 'f' traced list of
-    numbers, 's' static argument."""
-    from .dispatch import SCALAR, SCALAR_LIST, STATIC, TENSOR, TENSOR_LIST
+    tensors, 'n' traced number ('c', 'o': one CPU converts with overflow checks to the result's
+    type, or to the type it computes in), 'N' number the lowering wants static, 'f' traced list
+    of numbers ('C', 'O' checked alike), 's' static argument."""
+    from .dispatch import CONSTANT_FILLS, SCALAR, SCALAR_LIST, STATIC, TENSOR, TENSOR_LIST, checked_numbers
 
     schema = op._schema
     returns = [str(r.type) for r in schema.returns]
     if (lowering.mutates or lowering.random or lowering.dynamic_shape or lowering.check is not None
-            or has_call_check or "device" in sig.names or op in padding.PRODUCERS):
+            or has_call_check or "device" in sig.names or op in padding.PRODUCERS or op in CONSTANT_FILLS):
         return None
     if inplace:
         first = schema.arguments[0].alias_info
@@ -129,6 +130,7 @@ def codes(op, lowering, sig, kinds, has_call_check, inplace=False) -> str | None
     elif not returns or any(r.alias_info is not None for r in schema.returns) or \
             not (all(r == "Tensor" for r in returns) or returns == ["List[Tensor]"]):
         return None
+    checked = dict(checked_numbers(op, sig, kinds) or ())
     out = []
     for i, (arg, kind) in enumerate(zip(schema.arguments, kinds)):
         if str(arg.type) not in _TYPES and kind != SCALAR:
@@ -138,9 +140,9 @@ def codes(op, lowering, sig, kinds, has_call_check, inplace=False) -> str | None
         elif kind == TENSOR_LIST:
             out.append("l")
         elif kind == SCALAR:
-            out.append("N" if sig.names[i] in lowering.static else "n")
+            out.append("N" if sig.names[i] in lowering.static else "n" if i not in checked else "o" if checked[i] else "c")
         elif kind == SCALAR_LIST:
-            out.append("s" if lowering.static else "f")
+            out.append("s" if lowering.static else "f" if i not in checked else "O" if checked[i] else "C")
         elif kind == STATIC:
             out.append("s")
         else:

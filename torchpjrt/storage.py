@@ -124,6 +124,28 @@ def _zeros(shape, dtype, device=0):
     return call(_zeros_fn(shape, dtype, device))
 
 
+def zeros(shape, dtype):
+    """A zero fill on pjrt:0 (shared when small)."""
+    return _zeros(tuple(shape), dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _filled_fn(shape, dtype, number_type):
+    default_device()
+    # as the fill lowering computes it: the number traced, then cast to the dtype
+    return kernel_cache.kept_jit(lambda v: jnp.full(shape, v, dtype), "storage.filled", shape, str(dtype),
+                                 number_type.__name__)
+
+
+def filled(shape, dtype, value):
+    """An array of `shape` filled with the Python number `value` on pjrt:0 (shared when small)."""
+    fn = _filled_fn(tuple(shape), dtype, type(value))
+    if math.prod(shape) * np.dtype(dtype).itemsize <= SHARED_BYTES:
+        # repr tells -0.0 from 0.0 and keys NaN, which equals nothing
+        return shared_result(("storage.filled", tuple(shape), dtype, type(value), repr(value)), lambda: fn(value))
+    return call(fn, value)
+
+
 def _zeros_on(device, shape, dtype):
     """A zero fill on pjrt:`device`."""
     return placement.run_on(device, _zeros, shape, dtype, device) if device else _zeros(shape, dtype)
@@ -261,7 +283,14 @@ def _device(x) -> int:
 
 def aval_of(x):
     """What fixes a jitted helper's program for argument x: its shape, dtype, weak type and device."""
-    return tuple(x.shape), str(x.dtype), getattr(x, "weak_type", False), _device(x)
+    dtype = x.dtype
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype)  # str() of a numpy dtype costs microseconds
+    return tuple(x.shape), name, getattr(x, "weak_type", False), _device(x)
+
+
+_DTYPE_NAMES = {}
 
 
 @functools.lru_cache(maxsize=4096)

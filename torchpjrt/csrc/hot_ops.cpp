@@ -15,6 +15,7 @@
 // the Python kernel: a first call, another eager mode, padded storages, several devices, host
 // tensors. So results are the Python kernel's, call for call.
 
+#include <ATen/Dispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/util/SmallVector.h>
@@ -25,6 +26,7 @@
 #include <torch/csrc/utils/tensor_memoryformats.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <memory>
@@ -258,8 +260,10 @@ bool static_value(const c10::IValue& v, std::vector<int64_t>& key) {
 class HotKernel final : public c10::OperatorKernel {
  public:
   // codes: per schema argument, 't' tensor, 'l' list of tensors, 'n' number (traced unless
-  // None/bool/1), 'N' number the lowering wants static, 'f' list of numbers (traced), 's' static
-  // argument.
+  // None/bool/1), 'c' and 'o' such a number that CPU converts with overflow checks to the
+  // result's type ('c') or to the type it computes in ('o': float32 for float16 and bfloat16),
+  // 'N' number the lowering wants static, 'f' list of numbers (traced; 'C', 'O' checked alike),
+  // 's' static argument.
   // inplace: the op writes its first argument (a tensor, or each tensor of a list), the results
   // replacing those storages' arrays, and returns it (n_returns 1) or nothing (0).
   // n_returns: the tensors a functional op returns; -1: one list of tensors.
@@ -283,7 +287,7 @@ class HotKernel final : public c10::OperatorKernel {
                  make_key(args, key, dyn, targets, views, recording);
     if (keyed) {
       auto it = table_.find(key);
-      if (it != table_.end() && with_offsets(it->second, dyn, views)) {
+      if (it != table_.end() && numbers_fit(args, it->second) && with_offsets(it->second, dyn, views)) {
         std::vector<at::Tensor> results;
         bool done = inplace_ ? run_inplace(it->second, dyn, targets, recording)
                              : run(it->second, dyn, results, recording);
@@ -302,6 +306,52 @@ class HotKernel final : public c10::OperatorKernel {
   }
 
  private:
+  // Whether the numbers CPU converts with overflow checks fit their types (c10's own check, as
+  // CPU runs it); when one does not, the Python kernel raises CPU's error.
+  bool numbers_fit(c10::ArrayRef<c10::IValue> args, const Entry& e) const {
+    if (codes_.find_first_of("coCO") == std::string::npos) return true;
+    // the types the numbers go to: each result's (a foreach op's may differ), or each target's
+    c10::SmallVector<c10::ScalarType, 4> types;
+    auto add = [&types](c10::ScalarType t) {
+      if (std::find(types.begin(), types.end(), t) == types.end()) types.push_back(t);
+    };
+    for (const Result& r : e.results) add(r.dtype);
+    if (e.results.empty()) {
+      if (args[0].isTensor()) {
+        add(args[0].toTensor().scalar_type());
+      } else if (args[0].isTensorList()) {
+        for (const at::Tensor& t : args[0].toTensorList().vec()) add(t.scalar_type());
+      }
+    }
+    if (types.empty()) return false;
+    for (size_t i = 0; i < codes_.size(); i++) {
+      const char code = codes_[i];
+      if (code != 'c' && code != 'o' && code != 'C' && code != 'O') continue;
+      const bool computing = code == 'o' || code == 'O';
+      c10::SmallVector<c10::Scalar, 8> numbers;
+      if (args[i].isList()) {
+        for (const c10::IValue& x : args[i].toListRef())
+          if (x.isInt() || x.isDouble()) numbers.push_back(x.toScalar());
+      } else if (args[i].isInt() || args[i].isDouble()) {  // None and bools fit
+        numbers.push_back(args[i].toScalar());
+      }
+      for (c10::ScalarType type : types) {
+        if (computing && (type == c10::ScalarType::Half || type == c10::ScalarType::BFloat16))
+          type = c10::ScalarType::Float;
+        for (const c10::Scalar& number : numbers) {
+          try {
+            AT_DISPATCH_ALL_TYPES_AND_COMPLEX_AND3(c10::ScalarType::Half, c10::ScalarType::BFloat16,
+                                                   c10::ScalarType::Bool, type, "numbers_fit",
+                                                   [&] { (void)number.to<scalar_t>(); });
+          } catch (const c10::Error&) {
+            return false;
+          }
+        }
+      }
+    }
+    return true;
+  }
+
   // The op's arguments replaced by its results on the stack: for an in-place form its first
   // argument (or nothing), for a functional op its tensors (or one list of them).
   void push_results(torch::jit::Stack* stack, std::vector<at::Tensor> results) {
@@ -392,7 +442,9 @@ class HotKernel final : public c10::OperatorKernel {
           }
           break;
         }
-        case 'f': {  // numbers, traced: their types in the key (as the Python kernel keys them)
+        case 'f':
+        case 'C':
+        case 'O': {  // numbers, traced: their types in the key (as the Python kernel keys them)
           if (!v.isList()) return false;
           auto list = v.toListRef();
           key.push_back(kList);
@@ -415,6 +467,8 @@ class HotKernel final : public c10::OperatorKernel {
           break;
         }
         case 'n':
+        case 'c':
+        case 'o':
           if (!number(v, key, dyn)) return false;
           break;
         case 'N':

@@ -400,8 +400,15 @@ def lerp(self, end, weight):
     if _is_bool(self):  # bool self and end with a float weight tensor: computed as numbers
         dtype = jnp.result_type(self, end, weight)
         self, end = self.astype(jnp.int32).astype(dtype), jnp.asarray(end).astype(jnp.int32).astype(dtype)
+    dtype = jnp.result_type(self, end, weight)
+    if dtype in LOW_PRECISION:
+        # computed in float32 and rounded once, as CPU's kernel: a weight beyond float16's range
+        # (lerp(a, a, 1e6) is a) must not turn into inf * 0
+        self, end, weight = self.astype(jnp.float32), jnp.asarray(end).astype(jnp.float32), \
+            jnp.asarray(weight, jnp.float32)
     diff = end - self
-    return jnp.where(jnp.abs(weight) < 0.5, self + weight * diff, end - diff * (1 - weight))
+    out = jnp.where(jnp.abs(weight) < 0.5, self + weight * diff, end - diff * (1 - weight))
+    return out.astype(dtype)
 
 
 @lower(aten.addcmul.default)
