@@ -67,3 +67,53 @@ def test_quantized_and_sparse_tensors_are_clear_errors():
         csr @ torch.ones(2, 2, device="pjrt")
     with pytest.raises(NotImplementedError, match="sparse layouts .* are not supported on the pjrt device"):
         torch.sparse_coo_tensor(torch.tensor([[0, 1], [0, 1]]), torch.tensor([1.0, 2.0]), size=(2, 2), device="pjrt")
+
+
+f16 = torch.float16
+NUMBERS_CPU_CHECKS = {
+    # name: (fn(device, number), a number that fits, one CPU refuses ("without overflow"))
+    "fill_ float16": (lambda d, v: torch.ones(3, dtype=f16, device=d).fill_(v), 2.0, 1e6),
+    "fill_ int64 NaN": (lambda d, v: torch.ones(3, dtype=torch.int64, device=d).fill_(v), 2.0, float("nan")),
+    "full int8": (lambda d, v: torch.full((3,), v, dtype=torch.int8, device=d), 100, 300),
+    "full float32": (lambda d, v: torch.full((2, 3), v, device=d), 1e38, 1e39),
+    "zeros_like then fill_ uint8 from a negative float": (
+        lambda d, v: torch.zeros_like(torch.ones(3, dtype=torch.uint8, device=d)).fill_(v), 3.0, -1.0),
+    "fill_ of a view": (lambda d, v: torch.ones(4, dtype=f16, device=d)[1:].fill_(v), 2.0, 70000.0),
+    "masked_fill float16": (lambda d, v: torch.ones(3, dtype=f16, device=d).masked_fill(
+        torch.tensor([True, False, True], device=d), v), -1e4, -1e9),
+    "index_fill int8": (lambda d, v: torch.ones(3, dtype=torch.int8, device=d).index_fill(
+        0, torch.tensor([0], device=d), v), 5, 300),
+    "clamp float16": (lambda d, v: torch.ones(3, dtype=f16, device=d).clamp(max=v), 2.0, 1e6),
+    "clamp_ int8": (lambda d, v: torch.ones(3, dtype=torch.int8, device=d).clamp_(min=v), 2, -300),
+    "add alpha int8": (lambda d, v: torch.ones(3, dtype=torch.int8, device=d).add(
+        torch.ones(3, dtype=torch.int8, device=d), alpha=v), 2, 300),
+    "add_ alpha bfloat16": (lambda d, v: torch.ones(3, dtype=torch.bfloat16, device=d).add_(
+        torch.ones(3, dtype=torch.bfloat16, device=d), alpha=v), -0.5, 1e39),
+    "pow float16": (lambda d, v: torch.ones(3, dtype=f16, device=d).pow(v), 2.5, 1e6),
+    "addcmul int8 (computing type)": (lambda d, v: torch.ones(3, dtype=torch.int8, device=d).addcmul(
+        torch.ones(3, dtype=torch.int8, device=d), torch.ones(3, dtype=torch.int8, device=d), value=v), 2, 300),
+    "addcmul float16 fits its computing type": (lambda d, v: torch.ones(3, dtype=f16, device=d).addcmul(
+        torch.ones(3, dtype=f16, device=d), torch.ones(3, dtype=f16, device=d), value=v), 2.0, 1e6),
+    "_foreach_add_ alpha int8": (lambda d, v: torch._foreach_add_(
+        [torch.ones(3, dtype=torch.int8, device=d)], [torch.ones(3, dtype=torch.int8, device=d)], alpha=v), 2, 300),
+    "_foreach_addcdiv_ per-tensor values": (lambda d, v: torch._foreach_addcdiv_(
+        [torch.ones(3, device=d), torch.ones(2, device=d)], [torch.ones(3, device=d), torch.ones(2, device=d)],
+        [torch.ones(3, device=d), torch.ones(2, device=d)], [0.5, v]), -0.1, 1e39),
+    "hardtanh float16": (lambda d, v: torch.nn.functional.hardtanh(torch.ones(3, dtype=f16, device=d), -v, v), 2.0, 1e5),
+}
+
+
+@pytest.mark.parametrize("name", list(NUMBERS_CPU_CHECKS))
+def test_numbers_that_do_not_fit_raise_as_on_cpu(name):
+    """CPU converts these number arguments with overflow checks: `half.fill_(1e6)` raises there
+    where a plain cast would give inf. The same call with fitting numbers runs first, several
+    times, so that the compiled hot path serves the call that must raise."""
+    fn, fits, refused = NUMBERS_CPU_CHECKS[name]
+    for _ in range(3):
+        assert outcome(lambda d: fn(d, fits), "pjrt") == outcome(lambda d: fn(d, fits), "cpu") == (("ok",), [])
+    expected = outcome(lambda d: fn(d, refused), "cpu")
+    if name.endswith("fits its computing type"):
+        assert expected == (("ok",), [])
+    else:
+        assert "without overflow" in expected[0][1]
+    assert outcome(lambda d: fn(d, refused), "pjrt") == expected

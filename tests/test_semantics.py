@@ -264,3 +264,58 @@ def test_programs_without_inputs_run_once_and_their_results_stay_apart(each_eage
         r1, r2 = torch.randn(3, device="pjrt"), torch.randn(3, device="pjrt")
         assert not torch.equal(r1, r2)  # random factories are not constants
         runs.clear()
+
+
+def test_whole_storage_fills_run_once_and_their_results_stay_apart(each_eager_mode):
+    """zero_() and fill_(number) of a whole small storage (torch.zeros, ones_like, full, the
+    seed gradient of backward) take a shared result: after the first call no program runs.
+    Each fill value keeps its own result (-0.0 and 0.0, NaN, ints and floats), a write to one
+    tensor reaches no other, and a fill of a view writes only the view."""
+    from torchpjrt import kernel_cache
+
+    runs = []
+    original = kernel_cache.CachedKernel.__call__
+
+    def counting(self, *args):
+        runs.append(self.identity[0])
+        return original(self, *args)
+
+    def fills(device):
+        return [torch.zeros(3, 4, device=device), torch.ones(3, 4, device=device),
+                torch.full((3, 4), 2.5, device=device), torch.full((3, 4), -0.0, device=device),
+                torch.full((3, 4), 0.0, device=device), torch.full((3,), float("nan"), device=device),
+                torch.full((3,), 7, dtype=torch.int64, device=device), torch.full((3,), 7.9, dtype=torch.int32, device=device),
+                torch.full((2,), True, device=device), torch.zeros_like(torch.empty(5, dtype=torch.float16, device=device)),
+                torch.empty(2, 2, device=device).fill_(-3), torch.ones(4, device=device).zero_()]
+
+    for round in range(3):
+        kernel_cache.CachedKernel.__call__ = counting
+        try:
+            made = fills("pjrt")
+        finally:
+            kernel_cache.CachedKernel.__call__ = original
+        if round:
+            assert runs == [], runs
+        for cpu, pjrt in zip(fills("cpu"), made):
+            assert_same(cpu, pjrt)
+        assert torch.signbit(made[3]).all() and not torch.signbit(made[4]).any()
+        made[1].add_(1)
+        made[2][0] = 9
+        assert torch.ones(3, 4, device="pjrt").sum().item() == 12
+        assert torch.full((3, 4), 2.5, device="pjrt").sum().item() == 30
+        row = torch.zeros(3, 4, device="pjrt")
+        row[1].fill_(5)
+        assert row.sum().item() == 20 and torch.zeros(3, 4, device="pjrt").sum().item() == 0
+        runs.clear()
+
+
+def test_low_precision_lerp_computes_in_float32_as_cpu():
+    """CPU's lerp of float16/bfloat16 computes in float32 and rounds once: a weight beyond
+    float16's range (lerp(a, a, 1e6) is a) gives no inf * 0."""
+    torch.manual_seed(0)
+    for dtype in (torch.float16, torch.bfloat16):
+        a, b, w = torch.randn(64, dtype=dtype), torch.randn(64, dtype=dtype), torch.rand(64, dtype=dtype)
+        for weight in (0.3, 0.7, -2.0, 1e6):
+            assert_same(torch.lerp(a, b, weight), torch.lerp(to_dev(a), to_dev(b), weight), rtol=0, atol=0)
+        assert_same(torch.lerp(a, a, 1e6), torch.lerp(to_dev(a), to_dev(a), 1e6), rtol=0, atol=0)
+        assert_same(torch.lerp(a, b, w), torch.lerp(to_dev(a), to_dev(b), to_dev(w)), rtol=0, atol=0)
