@@ -142,6 +142,34 @@ def test_views_as_arguments_are_keyed_by_their_geometry():
 
 
 @needs_hot_path
+def test_a_whole_storage_in_another_shape_is_served_alone_and_in_lists():
+    """A tensor that is all of its storage in another shape (a Linear's bias gradient: the
+    storage of `sum(0, keepdim=True)`, viewed flat) is read as a reshape: served as an argument
+    and inside a foreach op's list (an optimizer step's grads), not only by the Python kernel.
+    As an in-place target it stays the Python kernel's."""
+    flat = torch.randn(1, 8, device="pjrt").view(8)
+    grid = torch.randn(4, 6, device="pjrt").view(2, 12)
+    states = [torch.randn(8, device="pjrt"), torch.randn(2, 12, device="pjrt")]
+    cpu_flat, cpu_grid, cpu_states = flat.cpu(), grid.cpu(), [s.cpu() for s in states]
+    for round in range(3):
+        got, n = served(lambda: flat * 2.0 + grid.sum())
+        torch.testing.assert_close(got.cpu(), cpu_flat * 2.0 + cpu_grid.sum())
+        assert n == 3 or round == 0
+        _, n = served(lambda: torch._foreach_lerp_(states, [flat, grid], 0.1))
+        torch._foreach_lerp_(cpu_states, [cpu_flat, cpu_grid], 0.1)
+        assert n == 1 or round == 0
+        _, n = served(lambda: torch._foreach_addcmul_(states, [flat, grid], [flat, grid], 0.5))
+        torch._foreach_addcmul_(cpu_states, [cpu_flat, cpu_grid], [cpu_flat, cpu_grid], 0.5)
+        assert n == 1 or round == 0
+        for s, c in zip(states, cpu_states):
+            torch.testing.assert_close(s.cpu(), c)
+        _, n = served(lambda: flat.mul_(0.5))
+        cpu_flat.mul_(0.5)
+        assert n == 0
+        torch.testing.assert_close(flat.cpu(), cpu_flat)
+
+
+@needs_hot_path
 def test_what_it_cannot_key_goes_to_the_python_kernel():
     base = torch.randn(6, 8, device="pjrt")
     cpu = base.cpu()

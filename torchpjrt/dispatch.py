@@ -765,6 +765,9 @@ def _key_tensor(v, st, key, dyn) -> None:
     key.append(dtype)
     if shape == st.shape and dtype is st.dtype and v.storage_offset() == 0 and v.is_contiguous():
         dyn.append(st.array if st.array is not None else st.value())
+    elif storage.is_reshaped_whole(v, st):
+        key.append(("reshaped", st.shape))
+        dyn.append(st.array if st.array is not None else st.value())
     else:
         offset = storage.runtime_offset(st, v)
         if offset is None:
@@ -821,6 +824,9 @@ def _view_reader(t):
     st = t.untyped_storage()._pjrt
     if storage.is_identity(t, st):
         return None
+    if storage.is_reshaped_whole(t, st):
+        shape = tuple(t.shape)
+        return lambda base: base.reshape(shape)
     read = storage.view_read_fn(st.shape, tuple(t.shape), t.stride(), dtypes.to_jax(t.dtype))
     if storage.runtime_offset(st, t) is not None:
         return lambda base_and_offset: read(*base_and_offset)  # as compute_keyed passes it

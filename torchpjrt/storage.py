@@ -197,6 +197,13 @@ def is_identity(t: torch.Tensor, st: Storage) -> bool:
     return t.dtype == st.dtype and t.shape == st.shape and t.storage_offset() == 0 and t.is_contiguous()
 
 
+def is_reshaped_whole(t: torch.Tensor, st: Storage) -> bool:
+    """Whether `t` is all of its storage in another shape (the bias gradient `sum(0, keepdim)`
+    viewed flat): an op reads it as a reshape of the array, with no strided read."""
+    return t.dtype is st.dtype and t.storage_offset() == 0 and t.is_contiguous() and t.numel() == st.numel \
+        and t.shape != st.shape
+
+
 def read(t: torch.Tensor):
     """The JAX array holding tensor `t`'s elements (shape t.shape, dtype of t)."""
     st = t.untyped_storage()._pjrt

@@ -71,7 +71,8 @@ std::atomic<int64_t> budget{-1};
 std::unique_ptr<torch::Library> registration;
 
 constexpr int64_t kNone = -1, kBool = -2, kDynInt = -4, kDynFloat = -6, kInt = -7,
-                  kFloat = -8, kIntList = -9, kString = -10, kTensor = -11, kView = -12, kList = -13;
+                  kFloat = -8, kIntList = -9, kString = -10, kTensor = -11, kView = -12, kList = -13,
+                  kReshaped = -14;
 
 // A view argument of one call: where its array is among the program's arguments, its offset.
 struct View {
@@ -148,11 +149,13 @@ bool python_path_wanted() {
 
 // A pjrt tensor argument: its storage object and array (new references), when the storage holds
 // a computed jax.Array of the tensor's dtype (or, while fused mode records, a value it records); `whole`: the tensor is the whole storage
-// (contiguous, the storage's shape, offset 0), else a view whose geometry goes into the key.
+// (contiguous, the storage's shape, offset 0); `reshaped`: all of it in another shape (read as a
+// reshape, as dispatch._key_tensor keys it); else a view whose geometry goes into the key.
 struct Held {
   PyObject* storage = nullptr;
   PyObject* array = nullptr;
   bool whole = false;
+  bool reshaped = false;
   std::vector<int64_t> storage_shape;
   ~Held() {
     Py_XDECREF(storage);
@@ -199,6 +202,11 @@ bool held(const at::Tensor& t, Held& h, bool recording) {
     return false;
   }
   h.whole = t.storage_offset() == 0 && t.is_contiguous() && t.sizes().equals(h.storage_shape);
+  if (!h.whole && t.storage_offset() == 0 && t.is_contiguous()) {
+    int64_t numel = 1;
+    for (int64_t s : h.storage_shape) numel *= s;
+    h.reshaped = numel == t.numel();
+  }
   return true;
 }
 
@@ -378,6 +386,13 @@ class HotKernel final : public c10::OperatorKernel {
     return true;
   }
 
+  // A tensor that is all of its storage in another shape: the storage's shape in the key.
+  static void reshaped_key(const Held& h, std::vector<int64_t>& key) {
+    key.push_back(kReshaped);
+    key.push_back(static_cast<int64_t>(h.storage_shape.size()));
+    for (int64_t s : h.storage_shape) key.push_back(s);
+  }
+
   bool make_key(c10::ArrayRef<c10::IValue> args, std::vector<int64_t>& key, Arguments& dyn, Arguments& targets,
                 std::vector<View>& views, bool recording) {
     for (size_t i = 0; i < codes_.size(); i++) {
@@ -408,7 +423,9 @@ class HotKernel final : public c10::OperatorKernel {
           }
           Py_INCREF(h.array);
           if (!dyn.push(h.array)) return false;
-          if (!h.whole) {
+          if (h.reshaped) {
+            reshaped_key(h, key);
+          } else if (!h.whole) {
             // a view: its geometry over its storage fixes the strided read compiled into the program
             key.push_back(kView);
             for (int64_t s : t.strides()) key.push_back(s);
@@ -419,7 +436,7 @@ class HotKernel final : public c10::OperatorKernel {
           }
           break;
         }
-        case 'l': {  // whole tensors only: the Python kernel reads a view in a list on its own
+        case 'l': {  // whole (or reshaped) tensors only: the Python kernel reads a view in a list on its own
           if (!v.isTensorList()) return false;
           auto list = v.toTensorList();
           key.push_back(kList);
@@ -429,7 +446,11 @@ class HotKernel final : public c10::OperatorKernel {
           for (size_t j = 0; j < list.size(); j++) {
             at::Tensor t = list[j];
             Held h;
-            if (!t.defined() || !tensor_key(t, h, key, recording) || !h.whole) return false;
+            if (!t.defined() || !tensor_key(t, h, key, recording) || !(h.whole || h.reshaped)) return false;
+            if (h.reshaped) {
+              if (inplace_ && i == 0) return false;  // a target in another shape: the Python kernel writes it
+              reshaped_key(h, key);
+            }
             if (inplace_ && i == 0) {
               // a tensor written twice: CPU applies the op to it twice, in turn (the Python kernel)
               for (PyObject* seen : targets.items)
