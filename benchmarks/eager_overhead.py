@@ -4,7 +4,8 @@
 
 1. a 64x64 float32 add, time until the result is ready;
 2. an MLP training step (Linear 256-512-512-10, GELU, batch 128, SGD);
-3. host cost per op by kind (elementwise, reduction, matmul, view, in-place) on 64x64 float32:
+3. host cost per op by kind (elementwise, reduction, matmul, view, in-place; factories, fills,
+   a cast, cat and a gather) on 64x64 float32:
    a loop of the op with one wait at the end, next to raw `jax.jit` of the same computation
    (the floor any JAX-backed device pays) and torch eager; best of several repeats;
 4. view kernels: the transformers training steps of benchmarks/models.py (GPT-2, LLaMA, tiny)
@@ -105,12 +106,30 @@ def op_kinds(baseline, n=2000, repeats=7):
     ja, jb = storage.read(a), storage.read(b)
     add, row_sum, matmul, flat = (jax.jit(jnp.add), jax.jit(lambda x: x.sum(1)), jax.jit(jnp.matmul),
                                   jax.jit(lambda x: x.reshape(4096)))
+    c, i = torch.randn(64, 64, device="pjrt"), torch.randint(0, 64, (64,), device="pjrt")
+    tc, ti = c.to(baseline), i.to(baseline)
+    ji = storage.read(i)
+    zeros, ones_like, full = (jax.jit(lambda: jnp.zeros((64, 64))), jax.jit(jnp.ones_like),
+                              jax.jit(lambda: jnp.full((64, 64), 2.0)))
+    half, cat, gather = (jax.jit(lambda x: x.astype(jnp.float16)), jax.jit(lambda x, y: jnp.concatenate([x, y])),
+                         jax.jit(lambda x, j: x[j]))
     cases = {
         "elementwise a + b": (lambda: a + b, lambda: ta + tb, lambda: add(ja, jb)),
         "reduction a.sum(1)": (lambda: a.sum(1), lambda: ta.sum(1), lambda: row_sum(ja)),
         "matmul a @ b": (lambda: a @ b, lambda: ta @ tb, lambda: matmul(ja, jb)),
         "view a.view(4096)": (lambda: a.view(4096), lambda: ta.view(4096), lambda: flat(ja)),
         "in-place a.add_(b)": (lambda: a.add_(b), lambda: ta.add_(tb), lambda: add(ja, jb)),
+        # factories, fills, casts and data movement: what autograd, optimizers and models make
+        # between their math ops (ones_like seeds backward; torch.zeros, full: empty + fill_)
+        "factory torch.zeros": (lambda: torch.zeros(64, 64, device="pjrt"), lambda: torch.zeros(64, 64, device=baseline),
+                                lambda: zeros()),
+        "factory ones_like(a)": (lambda: torch.ones_like(a), lambda: torch.ones_like(ta), lambda: ones_like(ja)),
+        "factory torch.full": (lambda: torch.full((64, 64), 2.0, device="pjrt"),
+                               lambda: torch.full((64, 64), 2.0, device=baseline), lambda: full()),
+        "fill c.fill_(1.0)": (lambda: c.fill_(1.0), lambda: tc.fill_(1.0), lambda: ones_like(ja)),
+        "cast a.to(float16)": (lambda: a.to(torch.float16), lambda: ta.to(torch.float16), lambda: half(ja)),
+        "cat torch.cat([a, b])": (lambda: torch.cat([a, b]), lambda: torch.cat([ta, tb]), lambda: cat(ja, jb)),
+        "gather a[i]": (lambda: a[i], lambda: ta[ti], lambda: gather(ja, ji)),
     }
     waits = {"pjrt": lambda r: storage.read(r).block_until_ready(), "jax": lambda r: r.block_until_ready(),
              "torch": lambda r: sync(baseline)}

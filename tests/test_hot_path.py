@@ -170,6 +170,46 @@ def test_a_whole_storage_in_another_shape_is_served_alone_and_in_lists():
 
 
 @needs_hot_path
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_ops_checked_on_the_device_are_served_and_still_raise(mode):
+    """embedding, index_select, gather, index_add and nll_loss check their indices on the device:
+    the hot path serves them and hands the check's vector on, so an index out of range raises
+    CPU's error at the next synchronization, naming the caller's line; with the checks turned
+    off (another program, keyed apart) nothing is checked."""
+    w = torch.randn(10, 4, device="pjrt")
+    x = torch.randn(5, 10, device="pjrt")
+    cw, cx = w.cpu(), x.cpu()
+    cases = {
+        "embedding": (lambda t, i: F.embedding(i, t), [1, 2, 3], [1, 12, 3], "index out of range in self"),
+        "index_select": (lambda t, i: t.index_select(0, i), [0, 9, 3], [0, 10, 3], "index out of range in self"),
+        "gather": (lambda t, i: t.gather(0, i[:, None].expand(3, 4)), [0, 9, 3], [0, 10, 3], "out of bounds"),
+        "index_add": (lambda t, i: t.index_add(0, i, torch.ones(3, 4, device=t.device)), [0, 9, 3], [0, 10, 3],
+                      "out of bounds"),
+        "nll_loss": (lambda t, i: F.cross_entropy(x if t.device.type == "pjrt" else cx, i), [1, 2, 3, 4, 5],
+                     [1, 2, 3, 4, 50], "out of bounds"),
+    }
+    with torchpjrt.eager_mode(mode):
+        for name, (fn, good, bad, message) in cases.items():
+            for round in range(3):
+                got, n = served(lambda: fn(w, torch.tensor(good, device="pjrt")))
+                torch.testing.assert_close(got.cpu(), fn(cw, torch.tensor(good)))
+                assert n >= 1 or round == 0, name
+            with pytest.raises((IndexError, RuntimeError), match=message):
+                fn(w, torch.tensor(bad, device="pjrt"))
+                torch.pjrt.synchronize()
+            torchpjrt.set_device_checks(False)
+            try:
+                for round in range(3):
+                    _, n = served(lambda: fn(w, torch.tensor(good, device="pjrt")))
+                    assert n >= 1 or round == 0, name
+            finally:
+                torchpjrt.set_device_checks(True)
+            with pytest.raises((IndexError, RuntimeError), match=message):
+                fn(w, torch.tensor(bad, device="pjrt"))
+                torch.pjrt.synchronize()
+
+
+@needs_hot_path
 def test_what_it_cannot_key_goes_to_the_python_kernel():
     base = torch.randn(6, 8, device="pjrt")
     cpu = base.cpu()

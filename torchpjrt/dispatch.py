@@ -1874,7 +1874,8 @@ def register():
         if code is None:
             lib.impl(_qualname(op), kernel, "PrivateUse1")
         else:
-            hot_path.register(op, _qualname(op), code, kernel)  # the C++ kernel calls `kernel` for what it does not serve
+            # the C++ kernel calls `kernel` for what it does not serve
+            hot_path.register(op, _qualname(op), code, kernel, check=lowering.check)
         for derived in derived_overloads(op):
             if _qualname(derived) in SPECIAL_KERNELS or _is_composite_implicit(derived):
                 continue
@@ -1886,7 +1887,7 @@ def register():
             if code is None:
                 lib.impl(_qualname(derived), kernel, "PrivateUse1")
             else:
-                hot_path.register(derived, _qualname(derived), code, kernel, inplace=True)
+                hot_path.register(derived, _qualname(derived), code, kernel, inplace=True, check=lowering.check)
     fb = torch.library.Library("_", "IMPL")
     _libs.append(fb)
     import torchpjrt_autoload

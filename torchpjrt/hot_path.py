@@ -6,10 +6,13 @@ strides, offset and storage shape; numbers; static arguments) and, for a key the
 has already served, calls the same compiled program and wraps its array as storage.wrap does;
 while fused mode records, it records that program into the pending graph as the Python kernel
 does (fusion.record_keyed). A call it cannot key (host tensors, a storage not computed yet, a
-view as an in-place target, a padded storage's tensor: padding.py's rules), a new key, and every
+view as an in-place target, a padded storage's tensor: padding.py's rules; a number that does not
+fit the type CPU converts it to), a new key, and every
 call while debug mode or a second device is in use, runs the Python kernel. The Python kernel tells it which program a
 call used (`stash.last_call`, read by `take_entry`); it is taken only for plain calls: row-major
-results of a functional kernel, a whole-storage write of an in-place form.
+results of a functional kernel, a whole-storage write of an in-place form. An op whose lowering
+checks its data on the device hands its program's check vector to device_checks, as the Python
+kernel does; its key says whether the checks are on.
 
 It is registered when torchpjrt registers its kernels and the helper is already built (the
 first process on a machine builds it in the background and runs the Python kernels);
@@ -91,7 +94,8 @@ def start():
     py = ctypes.PyDLL(path)
     py.torchpjrt_hot_configure.argtypes = [ctypes.py_object] * 9
     py.torchpjrt_hot_configure.restype = ctypes.c_int
-    py.torchpjrt_hot_register.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.py_object, ctypes.c_int, ctypes.c_int]
+    py.torchpjrt_hot_register.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.py_object, ctypes.c_int, ctypes.c_int,
+                                          ctypes.py_object]
     py.torchpjrt_hot_register.restype = ctypes.c_int
     py.torchpjrt_hot_calls.argtypes = []
     py.torchpjrt_hot_calls.restype = ctypes.c_longlong
@@ -117,9 +121,11 @@ def codes(op, lowering, sig, kinds, has_call_check, inplace=False) -> str | None
 
     schema = op._schema
     returns = [str(r.type) for r in schema.returns]
-    if (lowering.mutates or lowering.random or lowering.dynamic_shape or lowering.check is not None
-            or has_call_check or "device" in sig.names or op in padding.PRODUCERS or op in CONSTANT_FILLS):
+    if (lowering.mutates or lowering.random or lowering.dynamic_shape or has_call_check or "device" in sig.names
+            or op in padding.PRODUCERS or op in CONSTANT_FILLS):
         return None
+    if lowering.check is not None and returns == ["List[Tensor]"]:
+        return None  # a checked op's vector comes after its results, one list here
     if inplace:
         first = schema.arguments[0].alias_info
         ret = schema.returns[0].alias_info if returns else None
@@ -150,11 +156,24 @@ def codes(op, lowering, sig, kinds, has_call_check, inplace=False) -> str | None
     return "".join(out)
 
 
-def register(op, qualname, code, python_kernel, inplace=False) -> None:
+def register(op, qualname, code, python_kernel, inplace=False, check=None) -> None:
+    """Register the C++ kernel for `op`; `check`: its lowering's device check (indices in range),
+    whose vector the kernel hands to device_checks as the Python kernel does."""
+    from . import device_checks
+
     returns = [str(r.type) for r in op._schema.returns]
     n_returns = -1 if returns == ["List[Tensor]"] else len(returns)
-    if _library.torchpjrt_hot_register(qualname.encode(), code.encode(), python_kernel, int(inplace), n_returns) != 0:
+    checked = None if check is None else (
+        functools.partial(_record_check, check, op), (device_checks, "enabled"))
+    if _library.torchpjrt_hot_register(qualname.encode(), code.encode(), python_kernel, int(inplace), n_returns,
+                                       checked) != 0:
         raise RuntimeError(f"torchpjrt: registering the hot kernel of {qualname} failed")
+
+
+def _record_check(check, op, vector):
+    from . import device_checks
+
+    device_checks.record(vector, check, op)
 
 
 def calls() -> int:

@@ -275,9 +275,13 @@ class HotKernel final : public c10::OperatorKernel {
   // inplace: the op writes its first argument (a tensor, or each tensor of a list), the results
   // replacing those storages' arrays, and returns it (n_returns 1) or nothing (0).
   // n_returns: the tensors a functional op returns; -1: one list of tensors.
-  HotKernel(const char* name, std::string codes, PyObject* python_kernel, bool inplace, int n_returns)
+  // check_recorder: for an op whose lowering checks its data on the device (indices in range):
+  // (vector) -> None, device_checks.record for this op; its program's last output is the
+  // check's vector while `checks_on` (device_checks.enabled) is set. Else nullptr.
+  HotKernel(const char* name, std::string codes, PyObject* python_kernel, bool inplace, int n_returns,
+            PyObject* check_recorder, std::pair<PyObject*, PyObject*> checks_on)
       : name_(PyUnicode_FromString(name)), codes_(std::move(codes)), python_kernel_(python_kernel), inplace_(inplace),
-        n_returns_(n_returns) {
+        n_returns_(n_returns), check_recorder_(check_recorder), checks_on_(checks_on) {
     Py_INCREF(python_kernel_);
   }
 
@@ -291,14 +295,17 @@ class HotKernel final : public c10::OperatorKernel {
     Arguments targets;  // an in-place op's storage objects of the tensors it writes
     std::vector<View> views;
     bool recording = is_set(config->records.first, config->records.second);
+    // a checked op's program differs with the checks on or off (the Python kernel keys it so)
+    bool checked = check_recorder_ != nullptr && is_set(checks_on_.first, checks_on_.second);
+    if (check_recorder_ != nullptr) key.push_back(checked);
     bool keyed = budget.load(std::memory_order_relaxed) != 0 && !python_path_wanted() &&
                  make_key(args, key, dyn, targets, views, recording);
     if (keyed) {
       auto it = table_.find(key);
       if (it != table_.end() && numbers_fit(args, it->second) && with_offsets(it->second, dyn, views)) {
         std::vector<at::Tensor> results;
-        bool done = inplace_ ? run_inplace(it->second, dyn, targets, recording)
-                             : run(it->second, dyn, results, recording);
+        bool done = inplace_ ? run_inplace(it->second, dyn, targets, recording, checked)
+                             : run(it->second, dyn, results, recording, checked);
         if (done) {
           calls.fetch_add(1, std::memory_order_relaxed);
           if (budget.load(std::memory_order_relaxed) > 0) budget.fetch_sub(1, std::memory_order_relaxed);
@@ -520,10 +527,14 @@ class HotKernel final : public c10::OperatorKernel {
 
   // The program's results as new pjrt tensors in `out`; false when anything is not as the
   // Python kernel left it (the Python kernel then runs the call and says why).
-  bool run(const Entry& e, Arguments& dyn, std::vector<at::Tensor>& out, bool recording) {
+  bool run(const Entry& e, Arguments& dyn, std::vector<at::Tensor>& out, bool recording, bool checked) {
     PyObject* result = call(e, dyn, recording);
     if (result == nullptr) {
       PyErr_Clear();
+      return false;
+    }
+    if (checked && !record_check(result)) {
+      Py_DECREF(result);
       return false;
     }
     // a list's arrays come as the program's outputs, or as one list among them
@@ -577,6 +588,19 @@ class HotKernel final : public c10::OperatorKernel {
     return t;
   }
 
+  // A checked op's vector (its program's last output) handed to device_checks, as the Python
+  // kernel hands it; the results before it are the op's.
+  bool record_check(PyObject* result) const {
+    if (!PyTuple_Check(result) || PyTuple_GET_SIZE(result) < 2) return false;
+    PyObject* none = PyObject_CallOneArg(check_recorder_, PyTuple_GET_ITEM(result, PyTuple_GET_SIZE(result) - 1));
+    if (none == nullptr) {
+      PyErr_Clear();
+      return false;
+    }
+    Py_DECREF(none);
+    return true;
+  }
+
   // The view arguments the program takes with their offset (storage.runtime_offset), as tuples.
   static bool with_offsets(const Entry& e, Arguments& dyn, const std::vector<View>& views) {
     for (int position : e.offset_positions) {
@@ -601,10 +625,14 @@ class HotKernel final : public c10::OperatorKernel {
 
   // The program's results given to `targets` (the written tensors' storage objects), one each
   // in order; false when anything is not as the Python kernel left it.
-  bool run_inplace(const Entry& e, Arguments& dyn, Arguments& targets, bool recording) {
+  bool run_inplace(const Entry& e, Arguments& dyn, Arguments& targets, bool recording, bool checked) {
     PyObject* result = call(e, dyn, recording);
     if (result == nullptr) {
       PyErr_Clear();
+      return false;
+    }
+    if (checked && !(PyTuple_Check(result) && PyTuple_GET_SIZE(result) > targets.size() && record_check(result))) {
+      Py_DECREF(result);
       return false;
     }
     PyObject* expected = recording ? config->pending_type : config->array_type;
@@ -779,6 +807,8 @@ class HotKernel final : public c10::OperatorKernel {
 
   PyObject* name_;  // "add.Tensor": the stash must name this op
   std::string codes_;
+  PyObject* check_recorder_;
+  std::pair<PyObject*, PyObject*> checks_on_;
   PyObject* python_kernel_;
   bool inplace_;
   int n_returns_;  // tensors the op returns
@@ -855,17 +885,31 @@ int torchpjrt_hot_configure(PyObject* storage_class, PyObject* array_type, PyObj
 // for every call it does not serve; `inplace`: see HotKernel; n_returns: the op's tensors returned. Returns 0, or -1 with a Python
 // error set.
 int torchpjrt_hot_register(const char* name, const char* codes, PyObject* python_kernel, int inplace,
-                           int n_returns) {
+                           int n_returns, PyObject* check) {
   if (config == nullptr) {
     PyErr_SetString(PyExc_RuntimeError, "torchpjrt_hot_configure was not called");
     return -1;
+  }
+  // check: None, or (recorder, (module, flag name)) for an op its lowering checks on the device
+  PyObject* check_recorder = nullptr;
+  std::pair<PyObject*, PyObject*> checks_on{nullptr, nullptr};
+  if (check != Py_None) {
+    PyObject* module = nullptr;
+    PyObject* flag = nullptr;
+    if (!PyArg_ParseTuple(check, "O(OU)", &check_recorder, &module, &flag)) return -1;
+    PyObject* dict = PyObject_GenericGetDict(module, nullptr);
+    if (dict == nullptr) return -1;
+    Py_INCREF(check_recorder);
+    Py_INCREF(flag);
+    checks_on = {dict, flag};
   }
   try {
     if (!registration)
       registration = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1,
                                                       __FILE__, __LINE__);
     registration->impl(name, torch::CppFunction::makeFromBoxedFunctor(
-                                 std::make_unique<HotKernel>(name, codes, python_kernel, inplace != 0, n_returns)));
+                                 std::make_unique<HotKernel>(name, codes, python_kernel, inplace != 0, n_returns,
+                                                             check_recorder, checks_on)));
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return -1;
