@@ -210,6 +210,34 @@ def test_ops_checked_on_the_device_are_served_and_still_raise(mode):
 
 
 @needs_hot_path
+def test_casts_on_the_device_are_served():
+    """`x.half()`, `x.float()` and autocast's casts (`_to_copy` with a dtype) are served like any
+    op; a transposed input keeps CPU's strides (the Python kernel lays it out), and a copy to
+    another device or to the host is the Python kernel's."""
+    a = torch.randn(16, 8, device="pjrt")
+    cpu = a.cpu()
+    calls = [lambda x: x.half(), lambda x: x.to(torch.bfloat16), lambda x: x[2:5].double(), lambda x: x.to(torch.int32),
+             lambda x: x.half().float()]
+    for round in range(3):
+        for f in calls:
+            got, n = served(lambda: f(a))
+            want = f(cpu)
+            assert got.dtype == want.dtype and got.stride() == want.stride()
+            torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
+            assert n >= 1 or round == 0
+        got, n = served(lambda: a.t().half())
+        assert got.stride() == cpu.t().half().stride() and n == 0
+        torch.testing.assert_close(got.cpu(), cpu.t().half(), rtol=0, atol=0)
+        got, n = served(lambda: a.to("cpu", torch.float16))
+        assert got.device.type == "cpu" and n == 0
+    with torch.autocast("pjrt", dtype=torch.bfloat16):
+        lin = torch.nn.Linear(8, 4).to("pjrt")
+        for round in range(3):
+            out, n = served(lambda: lin(a))
+            assert out.dtype == torch.bfloat16 and (n >= 2 or round == 0)  # the input's cast and addmm (weights: cached)
+
+
+@needs_hot_path
 def test_what_it_cannot_key_goes_to_the_python_kernel():
     base = torch.randn(6, 8, device="pjrt")
     cpu = base.cpu()

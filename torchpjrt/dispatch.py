@@ -1630,6 +1630,11 @@ def k_copy_from_and_resize(self, dst):
 
 def k_to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False,
               memory_format=None):
+    if device is None and not pin_memory and layout in (None, torch.strided) \
+            and memory_format in (None, torch.preserve_format) and self.device.type == "pjrt" and not placement.multi:
+        # a cast on the device (`x.half()`, `x.float()`, autocast's casts): an op like any other,
+        # one program keyed by its argument, which the hot path replays
+        return _cast_kernel()(self, dtype=dtype, layout=layout, non_blocking=non_blocking, memory_format=memory_format)
     dtype = dtype or self.dtype
     target = torch.device(device) if device is not None else self.device
     stride = _copy_strides(self, memory_format)
@@ -1650,6 +1655,12 @@ def k_to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, no
             t = t.pin_memory()
         return t
     raise RuntimeError(f"torchpjrt: cannot copy a pjrt tensor to {target} directly; go through .cpu()")
+
+
+@functools.cache
+def _cast_kernel():
+    """The functional kernel of `_to_copy`'s lowering (a cast), for casts on the device."""
+    return make_functional_kernel(aten._to_copy.default, TABLE[aten._to_copy.default])
 
 
 def _copy_strides(self, memory_format):
@@ -1855,12 +1866,17 @@ def register():
     load_all()
     lib = torch.library.Library("aten", "IMPL")
     _libs.append(lib)
+    hot = hot_path.start()
     for name, fn in SPECIAL_KERNELS.items():
         op = _op_named(name)
+        if name == "_to_copy" and hot is not None:
+            # its casts on the device are served by the hot path: `self` keyed, every other
+            # argument static (a `device=` it cannot key sends the call to k_to_copy)
+            hot_path.register(op, name, "t" + "s" * (len(op._schema.arguments) - 1), _registered(op, None, fn))
+            continue
         lib.impl(name, _registered(op, None, fn), "PrivateUse1")
     for op in _inplace_view_ops():
         lib.impl(_qualname(op), _instrumented(op, _bound(inplace_view_kernel, op)), "PrivateUse1")
-    hot = hot_path.start()
     for op, lowering in TABLE.items():
         if not lowering.eager or _qualname(op) in SPECIAL_KERNELS:
             continue
