@@ -1004,8 +1004,7 @@ def _fill_whole(k, vals) -> bool:
     self = vals[0]
     st = getattr(self.untyped_storage(), "_pjrt", None)
     if st is None or st.padding is not None or placement.multi or storage.mesh_placements \
-            or self.dtype is not st.dtype or tuple(self.shape) != st.shape or self.storage_offset() \
-            or not self.is_contiguous() or st.numel * self.dtype.itemsize > storage.SHARED_BYTES:
+            or not storage.is_identity(self, st) or st.numel * self.dtype.itemsize > storage.SHARED_BYTES:
         return False
     if len(vals) == 1:
         array = storage.zeros(st.shape, dtypes.to_jax(self.dtype))

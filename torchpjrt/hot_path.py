@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from jax._src.array import ArrayImpl
 
-from . import eager, fusion, native, padding, placement, storage
+from . import device_checks, eager, fusion, native, padding, placement, storage
 
 # per thread (a kernel call releases the GIL while JAX runs it: another thread's call may come in
 # between), `last_call`: the latest call of a functional kernel (LoweredKernel, key), or of an
@@ -159,21 +159,13 @@ def codes(op, lowering, sig, kinds, has_call_check, inplace=False) -> str | None
 def register(op, qualname, code, python_kernel, inplace=False, check=None) -> None:
     """Register the C++ kernel for `op`; `check`: its lowering's device check (indices in range),
     whose vector the kernel hands to device_checks as the Python kernel does."""
-    from . import device_checks
-
     returns = [str(r.type) for r in op._schema.returns]
     n_returns = -1 if returns == ["List[Tensor]"] else len(returns)
     checked = None if check is None else (
-        functools.partial(_record_check, check, op), (device_checks, "enabled"))
+        functools.partial(device_checks.record, check=check, op_name=op), (device_checks, "enabled"))
     if _library.torchpjrt_hot_register(qualname.encode(), code.encode(), python_kernel, int(inplace), n_returns,
                                        checked) != 0:
         raise RuntimeError(f"torchpjrt: registering the hot kernel of {qualname} failed")
-
-
-def _record_check(check, op, vector):
-    from . import device_checks
-
-    device_checks.record(vector, check, op)
 
 
 def calls() -> int:

@@ -138,12 +138,11 @@ def _filled_fn(shape, dtype, number_type):
 
 
 def filled(shape, dtype, value):
-    """An array of `shape` filled with the Python number `value` on pjrt:0 (shared when small)."""
+    """An array of `shape` filled with the Python number `value` on pjrt:0, computed now and
+    shared when small (shared_result)."""
     fn = _filled_fn(tuple(shape), dtype, type(value))
-    if math.prod(shape) * np.dtype(dtype).itemsize <= SHARED_BYTES:
-        # repr tells -0.0 from 0.0 and keys NaN, which equals nothing
-        return shared_result(("storage.filled", tuple(shape), dtype, type(value), repr(value)), lambda: fn(value))
-    return call(fn, value)
+    # repr tells -0.0 from 0.0 and keys NaN, which equals nothing
+    return shared_result(("storage.filled", tuple(shape), dtype, type(value), repr(value)), lambda: fn(value))
 
 
 def _zeros_on(device, shape, dtype):

@@ -281,7 +281,8 @@ class HotKernel final : public c10::OperatorKernel {
   HotKernel(const char* name, std::string codes, PyObject* python_kernel, bool inplace, int n_returns,
             PyObject* check_recorder, std::pair<PyObject*, PyObject*> checks_on)
       : name_(PyUnicode_FromString(name)), codes_(std::move(codes)), python_kernel_(python_kernel), inplace_(inplace),
-        n_returns_(n_returns), check_recorder_(check_recorder), checks_on_(checks_on) {
+        n_returns_(n_returns), check_recorder_(check_recorder), checks_on_(checks_on),
+        checks_numbers_(codes_.find_first_of("coCO") != std::string::npos) {
     Py_INCREF(python_kernel_);
   }
 
@@ -324,7 +325,7 @@ class HotKernel final : public c10::OperatorKernel {
   // Whether the numbers CPU converts with overflow checks fit their types (c10's own check, as
   // CPU runs it); when one does not, the Python kernel raises CPU's error.
   bool numbers_fit(c10::ArrayRef<c10::IValue> args, const Entry& e) const {
-    if (codes_.find_first_of("coCO") == std::string::npos) return true;
+    if (!checks_numbers_) return true;
     // the types the numbers go to: each result's (a foreach op's may differ), or each target's
     c10::SmallVector<c10::ScalarType, 4> types;
     auto add = [&types](c10::ScalarType t) {
@@ -809,6 +810,7 @@ class HotKernel final : public c10::OperatorKernel {
   std::string codes_;
   PyObject* check_recorder_;
   std::pair<PyObject*, PyObject*> checks_on_;
+  bool checks_numbers_;  // a 'c', 'o', 'C' or 'O' among the codes
   PyObject* python_kernel_;
   bool inplace_;
   int n_returns_;  // tensors the op returns
