@@ -111,7 +111,7 @@ def eager_stats() -> dict:
     return {
         "mode": _mode,
         "ops_dispatched": dispatch.stats["lowered"] + hot_path.calls(),
-        "ops_recorded": s["ops_recorded"],
+        "ops_recorded": s["ops_recorded"] + fusion.pending_ops(),  # counted per graph at its flush
         "ops_pending": fusion.pending_ops(),
         "graphs_compiled": s["graphs_compiled"],
         "graphs_run_op_by_op": s["graphs_run_op_by_op"],

@@ -54,6 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from jax._src.array import ArrayImpl  # the concrete class of every array a kernel returns
 from jax._src.lax import lax as lax_internal  # _convert_element_type: the one way to make a value weakly typed
 
 from . import live_programs, placement
@@ -158,14 +159,15 @@ def _has_pending(tree):
 
 
 class _Graph:
-    __slots__ = ("nodes", "runners", "inputs", "input_slots", "input_ids", "outputs", "storages", "n_slots",
-                 "task", "error", "device")
+    __slots__ = ("nodes", "runners", "inputs", "input_slots", "input_sigs", "input_ids", "outputs", "storages",
+                 "n_slots", "task", "error", "device")
 
     def __init__(self):
         self.nodes = []  # (fn, treedef, input slots, first output slot); also the cache key
         self.runners = []  # per node, the callable that runs it alone (a strict-mode kernel)
         self.inputs = []  # concrete values (jax arrays, numpy arrays, Python scalars)
         self.input_slots = []
+        self.input_sigs = []  # signature_of each input: part of the graph's key
         self.input_ids = {}  # id(array) -> slot, so an array used twice is one input
         self.outputs = []  # weakrefs to this graph's Pendings
         self.storages = []  # weakrefs to storages that were given a Pending
@@ -176,15 +178,25 @@ class _Graph:
 
     def input_slot(self, x):
         """The slot of a concrete input (an array passed twice is one input)."""
-        is_array = isinstance(x, jax.Array)
-        if is_array:
+        if type(x) is ArrayImpl:
             slot = self.input_ids.get(id(x))
             if slot is not None:
                 return slot
+            aval = x.aval  # signature_of's, read from the aval at once
+            sig = (aval.shape, aval.dtype, aval.weak_type)
+            is_array = True
+        else:
+            is_array = isinstance(x, jax.Array)
+            if is_array:
+                slot = self.input_ids.get(id(x))
+                if slot is not None:
+                    return slot
+            sig = signature_of(x)
         slot = self.n_slots
         self.n_slots += 1
         self.inputs.append(x)
         self.input_slots.append(slot)
+        self.input_sigs.append(sig)
         if is_array:
             self.input_ids[id(x)] = slot
         return slot
@@ -196,10 +208,27 @@ class _Graph:
         ) from self.error
 
 
+class _GraphKey:
+    """A graph's cache key (its structure and input signature): a tuple over every node, hashed
+    once, where a plain tuple would be hashed again at each dictionary operation of a flush."""
+
+    __slots__ = ("parts", "hash")
+
+    def __init__(self, parts):
+        self.parts = parts
+        self.hash = hash(parts)
+
+    def __hash__(self):
+        return self.hash
+
+    def __eq__(self, other):
+        return self.hash == other.hash and self.parts == other.parts
+
+
 _graph = _Graph()
 _out_avals = {}  # (fn, treedef, input signature) -> (out treedef, [(shape, dtype, weak_type)])
-_compiled = OrderedDict()  # (structure, input signature) -> jitted replay
-_sightings = OrderedDict()  # (structure, input signature) -> (times run op by op, last flush, dispatch s paid)
+_compiled = OrderedDict()  # _GraphKey -> [jitted replay, whether its results' shapes were checked]
+_sightings = OrderedDict()  # _GraphKey -> (times run op by op, last flush, dispatch s paid)
 _current_task = torch._C._current_graph_task_id
 
 
@@ -340,9 +369,13 @@ def _add_node(fn, runner, treedef, leaves, avals):
         g.n_slots += len(avals)
         g.nodes.append((fn, treedef, tuple(refs), first))
         g.runners.append(runner)
-        pendings = [Pending(a[0], a[1], a[2], g, first + i) for i, a in enumerate(avals)]
-        g.outputs.extend(map(weakref.ref, pendings))
-        stats["ops_recorded"] += 1
+        if len(avals) == 1:
+            shape, dtype, weak_type = avals[0]
+            pendings = [Pending(shape, dtype, weak_type, g, first)]
+            g.outputs.append(weakref.ref(pendings[0]))
+        else:
+            pendings = [Pending(a[0], a[1], a[2], g, first + i) for i, a in enumerate(avals)]
+            g.outputs.extend(map(weakref.ref, pendings))
         full = len(g.nodes) >= max_ops
     if full:
         flush("max_ops")
@@ -360,10 +393,12 @@ def _device_of(leaves, g) -> int:
     return placement.ambient()
 
 
-def track(storage) -> None:
-    """A storage now holds a Pending: give it the computed array at the next flush."""
-    with _lock:
-        _graph.storages.append(weakref.ref(storage))
+def track(storage, pending) -> None:
+    """`storage` now holds `pending`: give it the computed array when its graph runs. (No lock: a
+    list's append is atomic, and the graph sets its values before it reads the list.)"""
+    pending.graph.storages.append(weakref.ref(storage))
+    if pending.value is not None:  # its graph has run already (a flush within the kernel's ops)
+        storage.array = pending.value
 
 
 def flush(reason: str) -> None:
@@ -374,30 +409,33 @@ def flush(reason: str) -> None:
         if not g.nodes:
             return
         _graph = _Graph()
+        stats["ops_recorded"] += len(g.nodes)
         alive = [p for p in (ref() for ref in g.outputs) if p is not None]
         out_slots = tuple(p.slot for p in alive)
-        key = (tuple(g.nodes), tuple(g.input_slots), out_slots, tuple(signature_of(x) for x in g.inputs), g.device)
-        replay = _compiled.get(key)
+        input_signature = tuple(g.input_sigs)
+        key = _GraphKey((tuple(g.nodes), tuple(g.input_slots), out_slots, input_signature, g.device))
+        entry = _compiled.get(key)
         _flushes_seen += 1
-        if replay is not None:
+        if entry is not None:
             stats["cache_hits"] += 1
             _compiled.move_to_end(key)
-        elif (identity := _kept_identity(g, out_slots, key[3])) is not None and key not in _sightings and \
+        elif (identity := _kept_identity(g, out_slots, input_signature)) is not None and key not in _sightings and \
                 _stored(identity) or _worth_compiling(key, len(g.nodes)):
             live_programs.release_if_due()
             stats["cache_misses"] += 1
-            replay = _compiled[key] = _make_replay(g.nodes, g.input_slots, out_slots, g.n_slots, g.inputs, identity)
+            replay = _make_replay(g.nodes, g.input_slots, out_slots, g.n_slots, g.inputs, identity)
+            entry = _compiled[key] = [replay, False]
             if len(_compiled) > cache_size:
                 _compiled.popitem(last=False)
         traced = stats["graphs_compiled"]
         t0 = time.perf_counter()
         try:
             with placement.on(g.device) if g.device else _NO_CONTEXT:
-                if replay is None:
+                if entry is None:
                     stats["graphs_run_op_by_op"] += 1
                     results = _run_op_by_op(g, out_slots)
                 else:
-                    results = replay(*g.inputs)
+                    results = entry[0](*g.inputs)
             if g.device:
                 results = placement.commit(results, g.device)
         except Exception as e:
@@ -410,12 +448,17 @@ def flush(reason: str) -> None:
                 seconds = time.perf_counter() - t0
                 stats["compile_seconds"] += seconds
                 _note_compile(seconds, len(g.nodes))
+        if entry is None or not entry[1]:
+            # a compiled graph computes the same shapes at every run of its key: checked at its first
+            for p, r in zip(alive, results):
+                if r.dtype != p.dtype or r.shape != p.shape:
+                    raise RuntimeError(
+                        f"torchpjrt (fused mode): a recorded value was computed as {r.dtype}{list(r.shape)} "
+                        f"but announced as {p.dtype}{list(p.shape)} (internal error)"
+                    )
+            if entry is not None:
+                entry[1] = True
         for p, r in zip(alive, results):
-            if r.dtype != p.dtype or r.shape != p.shape:
-                raise RuntimeError(
-                    f"torchpjrt (fused mode): a recorded value was computed as {r.dtype}{list(r.shape)} "
-                    f"but announced as {p.dtype}{list(p.shape)} (internal error)"
-                )
             p.value = r
         for ref in g.storages:
             st = ref()
@@ -424,7 +467,7 @@ def flush(reason: str) -> None:
         stats["flushes"] += 1
         stats["ops_flushed"] += len(g.nodes)
         flush_reasons[reason] += 1
-        _note_outcome(replay is not None, len(g.nodes))
+        _note_outcome(entry is not None, len(g.nodes))
 
 
 def _kept_identity(g, out_slots, input_signature):

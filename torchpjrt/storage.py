@@ -43,7 +43,7 @@ class Storage:
         self.array = array  # None until first written: an uninitialized (empty) storage
         self.device = device  # the pjrt index an uninitialized storage materializes on
         if type(array) is fusion.Pending:
-            fusion.track(self)  # swapped for the computed array when the graph runs
+            fusion.track(self, array)  # swapped for the computed array when the graph runs
         self.shape = tuple(array.shape) if array is not None else tuple(shape)
         self.dtype = dtype
         self.version = 0
@@ -74,7 +74,7 @@ class Storage:
     def _hold(self, array):
         self.array = array
         if type(array) is fusion.Pending:
-            fusion.track(self)  # swapped for the computed array when the graph runs
+            fusion.track(self, array)  # swapped for the computed array when the graph runs
 
 
 @functools.lru_cache(maxsize=None)
