@@ -120,6 +120,19 @@ def test_each_observation_point_flushes(observation):
     assert flushes(REASONS[observation]) > before
 
 
+def test_a_value_computed_before_its_tensor_is_made_is_held_as_an_array():
+    # with a cap of one op, each op's graph runs inside its recording, before the kernel makes
+    # the result's storage: the storage takes the computed array, not the graph's placeholder
+    torchpjrt.set_eager_mode("fused", max_ops=1)
+    x = torch.arange(6.0, device=DEV)
+    y = torch.relu(x * 2 - 3)
+    z = y + x  # reads y's storage
+    for t in (y, z):
+        assert type(t.untyped_storage()._pjrt.array) is not fusion.Pending
+    assert z.cpu().tolist() == [0.0, 1.0, 3.0, 6.0, 9.0, 12.0]
+    assert torchpjrt.eager_stats()["ops_pending"] == 0
+
+
 def test_size_cap_and_mode_change_flush():
     torchpjrt.set_eager_mode("fused", max_ops=5)
     x = torch.ones(3, device=DEV)
