@@ -44,6 +44,7 @@ little of its time being recorded.
 """
 
 import contextlib
+import itertools
 import os
 import threading
 import time
@@ -158,11 +159,15 @@ def _has_pending(tree):
     return any(type(x) is Pending for x in jax.tree_util.tree_leaves(tree))
 
 
+_graph_serials = itertools.count(1)
+
+
 class _Graph:
     __slots__ = ("nodes", "runners", "inputs", "input_slots", "input_sigs", "input_ids", "outputs", "storages",
-                 "n_slots", "task", "error", "device")
+                 "n_slots", "task", "error", "device", "serial")
 
     def __init__(self):
+        self.serial = next(_graph_serials)  # which graph a storage is tracked in (track)
         self.nodes = []  # (fn, treedef, input slots, first output slot); also the cache key
         self.runners = []  # per node, the callable that runs it alone (a strict-mode kernel)
         self.inputs = []  # concrete values (jax arrays, numpy arrays, Python scalars)
@@ -394,9 +399,15 @@ def _device_of(leaves, g) -> int:
 
 
 def track(storage, pending) -> None:
-    """`storage` now holds `pending`: give it the computed array when its graph runs. (No lock: a
-    list's append is atomic, and the graph sets its values before it reads the list.)"""
-    pending.graph.storages.append(weakref.ref(storage))
+    """`storage` now holds `pending`: give it the computed array when its graph runs. A storage is
+    listed once per graph however often it is written (an optimizer's in-place foreach ops write
+    each state several times a step): a weak reference per write was most of the objects a
+    recorded step leaves for Python's garbage collector. (No lock: a list's append is atomic, and
+    the graph sets its values before it reads the list.)"""
+    g = pending.graph
+    if storage.tracked_in != g.serial:
+        storage.tracked_in = g.serial
+        g.storages.append(weakref.ref(storage))
     if pending.value is not None:  # its graph has run already (a flush within the kernel's ops)
         storage.array = pending.value
 

@@ -37,11 +37,12 @@ class Storage:
     """The device memory behind one c10 storage: a JAX array and a version counter."""
 
     __slots__ = ("array", "shape", "dtype", "version", "views", "raw", "device", "padding", "appended_along",
-                 "__weakref__")
+                 "tracked_in", "__weakref__")
 
     def __init__(self, array, dtype: torch.dtype, shape=None, device=0):
         self.array = array  # None until first written: an uninitialized (empty) storage
         self.device = device  # the pjrt index an uninitialized storage materializes on
+        self.tracked_in = 0  # the serial of the fused graph that swaps its value in (fusion.track)
         if type(array) is fusion.Pending:
             fusion.track(self, array)  # swapped for the computed array when the graph runs
         self.shape = tuple(array.shape) if array is not None else tuple(shape)
