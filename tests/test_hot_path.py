@@ -486,6 +486,52 @@ def test_ops_with_several_results():
 
 @needs_hot_path
 @pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_backward_ops_with_an_output_mask(mode):
+    """Layer norm's, group norm's and convolution's backward take the gradients wanted as a
+    bool[3]: served when every one is wanted (a training step's case); one left out goes to the
+    Python kernel, which gives None for it, as CPU does."""
+    aten = torch.ops.aten
+    torch.manual_seed(0)
+    x, g4 = torch.randn(2, 4, 5, 6), torch.randn(2, 4, 5, 6)
+    w6, b6, w4, b4 = torch.randn(6), torch.randn(6), torch.randn(4), torch.randn(4)
+    conv_w, conv_g = torch.randn(3, 4, 3, 3), torch.randn(2, 3, 3, 3)
+
+    def layer_norm(d, mask):
+        _, mean, rstd = aten.native_layer_norm(d(x), [6], d(w6), d(b6), 1e-5)
+        return aten.native_layer_norm_backward(d(g4), d(x), [6], mean, rstd, d(w6), d(b6), mask)
+
+    def group_norm(d, mask):
+        _, mean, rstd = aten.native_group_norm(d(x), d(w4), d(b4), 2, 4, 30, 2, 1e-5)
+        return aten.native_group_norm_backward(d(g4), d(x), mean, rstd, d(w4), 2, 4, 30, 2, mask)
+
+    def convolution(d, mask):
+        return aten.convolution_backward(d(conv_g), d(x), d(conv_w), [3], [1, 2], [0, 1], [1, 1], False, [0, 0], 1,
+                                         mask)
+
+    torchpjrt.set_eager_mode(mode)
+    try:
+        for f in (layer_norm, group_norm, convolution):
+            for mask in ([True, True, True], [False, True, True], [True, False, False]):
+                want = f(lambda t: t, mask)
+                for round in range(3):
+                    pj = [t.to("pjrt") for t in (x, g4, w6, b6, w4, b4, conv_w, conv_g)]
+                    on_device = dict(zip(map(id, (x, g4, w6, b6, w4, b4, conv_w, conv_g)), pj))
+                    got, n = served(lambda: f(lambda t: on_device[id(t)], mask))
+                    for g, w in zip(got, want):
+                        assert (g is None) == (w is None), (f.__name__, mask)
+                        if w is not None:
+                            torch.testing.assert_close(g.cpu(), w, rtol=1e-4, atol=1e-4)
+                    if round and all(mask):
+                        # the backward op, and the forward op of the norms (their mean and rstd)
+                        assert n == (1 if f is convolution else 2), (f.__name__, n)
+                    if not all(mask):
+                        assert n <= (0 if f is convolution else 1), (f.__name__, mask, n)
+    finally:
+        torchpjrt.set_eager_mode("strict")
+
+
+@needs_hot_path
+@pytest.mark.parametrize("mode", ["strict", "fused"])
 def test_foreach_ops_and_an_optimizer_step(mode):
     xs = [torch.randn(3, 4, device="pjrt") for _ in range(4)] + [torch.randn(5, device="pjrt")]
     ys = [x.cpu() for x in xs]

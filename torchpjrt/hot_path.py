@@ -37,8 +37,8 @@ stash = threading.local()
 
 # schema argument types the C++ kernel can key or hand back to Python
 _TYPES = {"Tensor", "Optional[Tensor]", "number", "Optional[number]", "int", "Optional[int]", "List[int]",
-          "Optional[List[int]]", "float", "Optional[float]", "bool", "Optional[bool]", "str", "Optional[str]",
-          "Optional[ScalarType]", "ScalarType", "List[Tensor]", "List[number]"}
+          "Optional[List[int]]", "float", "Optional[float]", "bool", "Optional[bool]", "List[bool]", "str",
+          "Optional[str]", "Optional[ScalarType]", "ScalarType", "List[Tensor]", "List[number]"}
 
 _library = None  # the helper, opened so that its calls keep the GIL (ctypes.PyDLL)
 
