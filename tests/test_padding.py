@@ -2,6 +2,7 @@
 result is checked against the CPU; the padded positions are filled with NaN where a rule must
 mask them, so a rule that let them through would show."""
 
+import gc
 import os
 import subprocess
 import sys
@@ -74,6 +75,19 @@ def test_pointwise_keeps_padding_and_broadcasts():
     _check(pa.to(torch.float64) * 3, a.to(torch.float64) * 3)
     # an exact tensor along the padded dimension: computed exactly
     _check(pa + col.to("pjrt"), a + col, padded=False)
+
+
+def test_padded_storages_are_counted_while_they_live():
+    # the rules run only while a padded storage lives (`padding.live`): each result marked padded
+    # is counted, and counted out when its storage dies
+    start = padding.live
+    idx, pidx = _routed()
+    a, pa = _rows(idx, pidx)
+    results = [pa * 2, (pa * 2).sigmoid(), torch.nonzero(pa > 0)]
+    assert padding.live >= start + 4 and all(padding.storage_padding_of(r) for r in results)
+    del idx, pidx, a, pa, results
+    gc.collect()
+    assert padding.live == start
 
 
 def test_inplace_and_like_factories():

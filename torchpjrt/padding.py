@@ -67,8 +67,12 @@ def bucket(n: int, limit: int) -> int:
     return min(max(1 << max(n - 1, 0).bit_length(), smallest), limit)
 
 
-def _forget(_):
+_marks = set()  # a weak reference per padded storage alive, whose callback counts it out of `live`
+
+
+def _forget(ref):
     global live
+    _marks.discard(ref)
     live -= 1
 
 
@@ -79,7 +83,7 @@ def _mark(full: torch.Tensor, dim: int, n: int) -> torch.Tensor:
     st = storage.storage_of(full)
     st.padding = (n, B, full.stride(dim))
     live += 1
-    weakref.finalize(st, _forget, None)
+    _marks.add(weakref.ref(st, _forget))  # (a plain reference with a callback costs a fraction of a finalize)
     if B == n:
         return full  # marked all the same: it shares the bucket's kernels
     size = list(full.shape)
