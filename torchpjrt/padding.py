@@ -94,11 +94,11 @@ def _mark(full: torch.Tensor, dim: int, n: int) -> torch.Tensor:
 def padded_dim(t):
     """(dim, n, B) when `t` is the first n positions of a padded storage along one dimension,
     else None."""
-    if not isinstance(t, torch.Tensor) or t.device.type != "pjrt":
+    if not isinstance(t, torch.Tensor):
         return None
     try:
-        p = t.untyped_storage()._pjrt.padding
-    except AttributeError:
+        p = t.untyped_storage()._pjrt.padding  # only a pjrt storage has `_pjrt`
+    except (AttributeError, RuntimeError, NotImplementedError):  # another device's, or no storage (sparse)
         return None
     if p is None:
         return None
