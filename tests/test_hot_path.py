@@ -131,8 +131,8 @@ def test_views_as_arguments_are_keyed_by_their_geometry():
             torch.testing.assert_close(got.cpu(), want)
             assert got.stride() == want.stride()
             if round:
-                # b.t() + 1.5 is laid out as its input (strides (1, 8)): the Python kernel's own
-                assert n == (0 if i == 0 else 1), i
+                # b.t() + 1.5 is laid out as its input (strides (1, 8)), and served so
+                assert n == 1, i
     # rows read one at a time (a KV cache's pattern): one program for every row, each served
     for round in range(2):
         for r in range(6):
@@ -212,8 +212,8 @@ def test_ops_checked_on_the_device_are_served_and_still_raise(mode):
 @needs_hot_path
 def test_casts_on_the_device_are_served():
     """`x.half()`, `x.float()` and autocast's casts (`_to_copy` with a dtype) are served like any
-    op; a transposed input keeps CPU's strides (the Python kernel lays it out), and a copy to
-    another device or to the host is the Python kernel's."""
+    op; a transposed input's cast keeps CPU's strides, and a copy to another device or to the host
+    is the Python kernel's."""
     a = torch.randn(16, 8, device="pjrt")
     cpu = a.cpu()
     calls = [lambda x: x.half(), lambda x: x.to(torch.bfloat16), lambda x: x[2:5].double(), lambda x: x.to(torch.int32),
@@ -226,7 +226,7 @@ def test_casts_on_the_device_are_served():
             torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
             assert n >= 1 or round == 0
         got, n = served(lambda: a.t().half())
-        assert got.stride() == cpu.t().half().stride() and n == 0
+        assert got.stride() == cpu.t().half().stride() and (n == 1 or round == 0)
         torch.testing.assert_close(got.cpu(), cpu.t().half(), rtol=0, atol=0)
         got, n = served(lambda: a.to("cpu", torch.float16))
         assert got.device.type == "cpu" and n == 0
@@ -235,6 +235,36 @@ def test_casts_on_the_device_are_served():
         for round in range(3):
             out, n = served(lambda: lin(a))
             assert out.dtype == torch.bfloat16 and (n >= 2 or round == 0)  # the input's cast and addmm (weights: cached)
+
+
+@needs_hot_path
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_results_laid_out_as_cpu_lays_them_out_are_served(mode):
+    """An op on a transposed or permuted input gives a result in its input's order on CPU (an
+    attention's `q * scale`, rotary embeddings on permuted heads, channels-last images): served
+    with those strides, each result a dense tensor of its own."""
+    x = torch.randn(2, 3, 4, 5)
+    w = torch.randn(2, 5, 4, 3)
+    calls = [lambda d: d(x).permute(0, 2, 1, 3) * 0.5, lambda d: d(x).transpose(1, 3).neg(),
+             lambda d: d(x).permute(0, 2, 1, 3) + d(x).permute(0, 2, 1, 3),
+             lambda d: d(x).transpose(1, 3) * d(w), lambda d: d(x).contiguous(memory_format=torch.channels_last).exp(),
+             lambda d: torch.sigmoid(d(x).mT), lambda d: d(x).transpose(0, 1).to(torch.bfloat16)]
+    torchpjrt.set_eager_mode(mode)
+    try:
+        on_device = {id(x): x.to("pjrt"), id(w): w.to("pjrt")}
+        for round in range(3):
+            for i, f in enumerate(calls):
+                got, n = served(lambda: f(lambda t: on_device[id(t)]))
+                want = f(lambda t: t)
+                assert got.stride() == want.stride() and got.dtype == want.dtype, i
+                assert got.untyped_storage().nbytes() == want.numel() * want.element_size()
+                torch.testing.assert_close(got.cpu(), want)  # (exp and sigmoid: within an ulp of CPU's)
+                if round:
+                    assert n >= 1, i
+                got.add_(1)  # a result is a tensor of its own
+                torch.testing.assert_close(got.cpu(), want + 1)
+    finally:
+        torchpjrt.set_eager_mode("strict")
 
 
 @needs_hot_path

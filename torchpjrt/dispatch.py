@@ -888,9 +888,9 @@ def make_functional_kernel(op, lowering):
             def kernel(*args, **kwargs):
                 vals = sig.values(args, kwargs)
                 outs, key = k.compute_keyed(vals)
+                hot_path.stash.last_call = (k, key)  # the hot kernel may replay it
                 strides = k.strides_for(key)
                 if strides is None:
-                    hot_path.stash.last_call = (k, key)  # a plain call: the hot kernel may replay it
                     return storage.wrap(outs[0])
                 return storage.wrap_in_order(outs[0], strides[0])
 

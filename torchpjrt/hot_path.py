@@ -7,12 +7,14 @@ has already served, calls the same compiled program and wraps its array as stora
 while fused mode records, it records that program into the pending graph as the Python kernel
 does (fusion.record_keyed). A call it cannot key (host tensors, a storage not computed yet, a
 view as an in-place target, a padded storage's tensor: padding.py's rules; a number that does not
-fit the type CPU converts it to), a new key, and every
-call while debug mode or a second device is in use, runs the Python kernel. The Python kernel tells it which program a
-call used (`stash.last_call`, read by `take_entry`); it is taken only for plain calls: row-major
-results of a functional kernel, a whole-storage write of an in-place form. An op whose lowering
-checks its data on the device hands its program's check vector to device_checks, as the Python
-kernel does; its key says whether the checks are on.
+fit the type CPU converts it to), a new key, and every call while debug mode or a second device
+is in use, runs the Python kernel. The Python kernel tells it which program a call used
+(`stash.last_call`, read by `take_entry`); it is taken only for plain calls: new dense results
+of a functional kernel (row-major, or in the order CPU gives an op on a transposed or permuted
+input, which the C++ kernel makes with the strides the Python kernel gave), a whole-storage
+write of an in-place form. An op whose lowering checks its data on the device hands its
+program's check vector to device_checks, as the Python kernel does; its key says whether the
+checks are on.
 
 It is registered when torchpjrt registers its kernels and the helper is already built (the
 first process on a machine builds it in the background and runs the Python kernels);
@@ -65,9 +67,7 @@ def take_entry(qualname, views):
             if st is None or st.array is not result:
                 return None
     else:
-        kernel, key = call
-        if kernel.strides_for(key) is not None:
-            return None
+        kernel, key = call  # its results: new dense tensors, row-major or laid out as CPU lays them out
     program = kernel.cache.get(key)
     if program is None:
         return None

@@ -87,6 +87,9 @@ struct Result {
   PyObject* dtype_object;  // torch.dtype, as the storage object records it
   std::vector<int64_t> sizes;
   int64_t nbytes;
+  // empty: row-major; else the strides of a result laid out in CPU's order (an op on a transposed
+  // or permuted input), whose array holds its elements in memory order (storage.wrap_in_order)
+  std::vector<int64_t> strides;
 };
 
 struct Entry {
@@ -577,7 +580,11 @@ class HotKernel final : public c10::OperatorKernel {
     at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage),
                                                             c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
                                                             caffe2::TypeMeta::fromScalarType(r.dtype));
-    t.unsafeGetTensorImpl()->set_sizes_contiguous(r.sizes);
+    if (r.strides.empty()) {
+      t.unsafeGetTensorImpl()->set_sizes_contiguous(r.sizes);
+    } else {
+      t.unsafeGetTensorImpl()->set_sizes_and_strides(r.sizes, r.strides);
+    }
     PyObject* py_storage = THPStorage_Wrap(t.storage());
     bool ok = py_storage != nullptr && PyObject_SetAttr(py_storage, config->name_pjrt, st) == 0;
     Py_XDECREF(py_storage);
@@ -691,14 +698,16 @@ class HotKernel final : public c10::OperatorKernel {
     std::vector<Result> results;
     bool plain = program != Py_None;
     for (const at::Tensor& t : out) {
+      // a new dense tensor over all of a new storage: row-major, or laid out in CPU's order
       plain = plain && t.defined() && t.device().type() == c10::DeviceType::PrivateUse1 && t.device().index() <= 0 &&
-              t.is_contiguous() && t.storage_offset() == 0 &&
+              t.is_non_overlapping_and_dense() && t.storage_offset() == 0 &&
               t.storage().nbytes() == static_cast<size_t>(t.numel()) * t.element_size();
       if (!plain) break;
       PyObject* dtype_object = reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type()));
       Py_INCREF(dtype_object);
       results.push_back(Result{t.scalar_type(), dtype_object, t.sizes().vec(),
-                               static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size())});
+                               static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size()),
+                               t.is_contiguous() ? std::vector<int64_t>() : t.strides().vec()});
     }
     if (!plain) {
       Py_DECREF(program);
