@@ -8,7 +8,9 @@
    a cast, cat and a gather) on 64x64 float32:
    a loop of the op with one wait at the end, next to raw `jax.jit` of the same computation
    (the floor any JAX-backed device pays) and torch eager; best of several repeats;
-4. view kernels: the transformers training steps of benchmarks/models.py (GPT-2, LLaMA, tiny)
+4. fused mode's cost of recording an op (`a + b` and `relu` alternating, 8x32, 50 ops timed
+   before the flush that runs them) next to strict mode's and torch eager's cost of the same ops;
+5. view kernels: the transformers training steps of benchmarks/models.py (GPT-2, LLaMA, tiny)
    in strict and fused mode with the compiled helper's view kernels and with the Python ones,
    switched back and forth in this process (skipped without the helper, or with --quick).
 The baseline is torch eager on the CPU, or with `--baseline cuda` on the same machine's GPU
@@ -151,6 +153,33 @@ def op_kinds(baseline, n=2000, repeats=7):
             for kind, (p, t, j) in cases.items()}
 
 
+def recording_cost(baseline, n=50, repeats=300):
+    """{target: s per op} for a chain of n elementwise ops: fused mode recording them (timed
+    before the flush that runs them), strict mode dispatching them, torch eager running them."""
+    x0, b0 = torch.randn(8, 32), torch.randn(8, 32)
+
+    def chain(x, b):
+        for i in range(n):
+            x = x + b if i % 2 else torch.relu(x)
+        return x
+
+    costs = {}
+    for target in ("fused", "strict", baseline):
+        on_pjrt = target in ("fused", "strict")
+        x, b = x0.to("pjrt" if on_pjrt else baseline), b0.to("pjrt" if on_pjrt else baseline)
+        with torchpjrt.eager_mode(target if on_pjrt else "strict"):
+            for _ in range(5):
+                chain(x, b).sum().item()  # compiles (fused: the graph, at its second sighting)
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                out = chain(x, b)
+                best = min(best, time.perf_counter() - t0)
+                out.sum().item()  # fused: the flush, outside the timed part
+        costs[target] = best / n
+    return costs
+
+
 def view_kernel_steps(models=("gpt2", "llama"), rounds=5, steps=5):
     """{(model, mode): (native s/step, Python s/step)}: the same step with each view path."""
     from models import make_step  # imported here: models.py imports this module
@@ -218,6 +247,12 @@ def main():
     print(f"{'op kind':22s} {'pjrt':>9s} {'jax.jit':>9s} {'torch ' + baseline:>10s} {'pjrt/jit':>9s} {'pjrt/' + baseline:>10s}")
     for kind, (p, jt, t) in op_kinds(baseline).items():
         print(f"{kind:22s} {p * 1e6:7.1f}us {jt * 1e6:7.1f}us {t * 1e6:8.1f}us {p / jt:8.2f}x {p / t:9.2f}x")
+    costs = recording_cost(baseline)
+    print("\nfused mode: recording an op (a + b and relu alternating, 50 ops timed before their flush)")
+    print(f"{'recorded op':>12s} {'strict op':>10s} {'torch ' + baseline:>10s} {'recorded/strict':>16s} "
+          f"{'recorded/' + baseline:>14s}")
+    f, st, t = costs["fused"], costs["strict"], costs[baseline]
+    print(f"{f * 1e6:10.2f}us {st * 1e6:8.2f}us {t * 1e6:8.2f}us {f / st:15.2f}x {f / t:13.2f}x")
     if args.quick:
         return
     steps = view_kernel_steps()
