@@ -90,6 +90,9 @@ struct Result {
   // empty: row-major; else the strides of a result laid out in CPU's order (an op on a transposed
   // or permuted input), whose array holds its elements in memory order (storage.wrap_in_order)
   std::vector<int64_t> strides;
+  // false: a result the op leaves out (a backward op's gradient its output mask does not ask
+  // for), None from the program and an undefined tensor from the op, as from the Python kernel
+  bool defined = true;
 };
 
 struct Entry {
@@ -334,7 +337,8 @@ class HotKernel final : public c10::OperatorKernel {
     auto add = [&types](c10::ScalarType t) {
       if (std::find(types.begin(), types.end(), t) == types.end()) types.push_back(t);
     };
-    for (const Result& r : e.results) add(r.dtype);
+    for (const Result& r : e.results)
+      if (r.defined) add(r.dtype);
     if (e.results.empty()) {
       if (args[0].isTensor()) {
         add(args[0].toTensor().scalar_type());
@@ -550,7 +554,13 @@ class HotKernel final : public c10::OperatorKernel {
     bool ok = seq != nullptr && PySequence_Fast_GET_SIZE(seq) >= static_cast<Py_ssize_t>(e.results.size()) &&
               (n_returns_ >= 0 || PySequence_Fast_GET_SIZE(seq) == static_cast<Py_ssize_t>(e.results.size()));
     for (size_t i = 0; ok && i < e.results.size(); i++) {
-      at::Tensor t = wrap(PySequence_Fast_GET_ITEM(seq, i), e.results[i], recording);
+      PyObject* item = PySequence_Fast_GET_ITEM(seq, i);
+      if (!e.results[i].defined) {
+        ok = item == Py_None;
+        out.push_back(at::Tensor());
+        continue;
+      }
+      at::Tensor t = wrap(item, e.results[i], recording);
       ok = t.defined();
       out.push_back(std::move(t));
     }
@@ -698,6 +708,11 @@ class HotKernel final : public c10::OperatorKernel {
     std::vector<Result> results;
     bool plain = program != Py_None;
     for (const at::Tensor& t : out) {
+      if (plain && !t.defined() && n_returns_ > 0) {  // a result left out (an output mask's)
+        Py_INCREF(Py_None);
+        results.push_back(Result{c10::ScalarType::Undefined, Py_None, {}, 0, {}, false});
+        continue;
+      }
       // a new dense tensor over all of a new storage: row-major, or laid out in CPU's order
       plain = plain && t.defined() && t.device().type() == c10::DeviceType::PrivateUse1 && t.device().index() <= 0 &&
               t.is_non_overlapping_and_dense() && t.storage_offset() == 0 &&
