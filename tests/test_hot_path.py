@@ -560,6 +560,53 @@ def test_backward_ops_with_an_output_mask(mode):
 
 @needs_hot_path
 @pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_batch_norm_writes_its_running_statistics_when_served(mode):
+    """native_batch_norm returns its results and writes the running mean and variance (whole
+    buffers): served, each write a new value of its buffer as from the Python kernel; without
+    running statistics, or in evaluation, alike."""
+    aten = torch.ops.aten
+    torch.manual_seed(0)
+    x, w, b = torch.randn(3, 4, 5, 5), torch.randn(4), torch.randn(4)
+    mean, var = torch.randn(4), torch.rand(4) + 0.5
+    torchpjrt.set_eager_mode(mode)
+    try:
+        for training, stats in ((True, True), (False, True), (True, False)):
+            cpu_stats = [mean.clone(), var.clone()] if stats else [None, None]
+            pj_stats = [t.to("pjrt") for t in cpu_stats] if stats else [None, None]
+            before = [t.clone() for t in pj_stats] if stats else None
+            for round in range(3):
+                got, n = served(lambda: aten.native_batch_norm(x.to("pjrt"), w.to("pjrt"), b.to("pjrt"), *pj_stats,
+                                                                training, 0.1, 1e-5))
+                want = aten.native_batch_norm(x, w, b, *cpu_stats, training, 0.1, 1e-5)
+                for g, v in zip(got, want):
+                    assert g.shape == v.shape
+                    torch.testing.assert_close(g.cpu(), v, rtol=1e-5, atol=1e-5)
+                for g, v in zip(pj_stats, cpu_stats):
+                    if v is not None:
+                        torch.testing.assert_close(g.cpu(), v, rtol=1e-6, atol=1e-6)
+                if round:
+                    assert n >= 1, (training, stats)
+            if stats and training:
+                assert not torch.equal(pj_stats[0].cpu(), before[0].cpu())  # three updates reached the buffer
+        # a module's training steps and then evaluation, as a CNN runs them
+        bn = torch.nn.BatchNorm2d(4)
+        bn_pjrt = torch.nn.BatchNorm2d(4).to("pjrt")
+        for step in range(4):
+            y = torch.randn(2, 4, 3, 3)
+            bn(y).square().sum().backward()
+            bn_pjrt(y.to("pjrt")).square().sum().backward()
+        for name, t in bn.state_dict().items():
+            torch.testing.assert_close(bn_pjrt.state_dict()[name].cpu(), t, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(bn_pjrt.weight.grad.cpu(), bn.weight.grad, rtol=1e-4, atol=1e-5)
+        bn.eval()
+        bn_pjrt.eval()
+        torch.testing.assert_close(bn_pjrt(x.to("pjrt")).cpu(), bn(x), rtol=1e-5, atol=1e-5)
+    finally:
+        torchpjrt.set_eager_mode("strict")
+
+
+@needs_hot_path
+@pytest.mark.parametrize("mode", ["strict", "fused"])
 def test_foreach_ops_and_an_optimizer_step(mode):
     xs = [torch.randn(3, 4, device="pjrt") for _ in range(4)] + [torch.randn(5, device="pjrt")]
     ys = [x.cpu() for x in xs]

@@ -318,6 +318,9 @@ class LoweredKernel:
         self.n_inputs = self.sig.n if n_inputs is None else n_inputs
         self.cache = {}
         self.fused_avals = {}  # key -> output shapes/dtypes, for recording in fused mode
+        # an op that also writes arguments whose calls the hot path serves (register): its kernel
+        # tells the hot path what each call wrote; no other keeps its written arrays referenced
+        self.hot_writes = False
         args = self.sig.schema.arguments
         kinds = _kinds(self.sig, lowering)
         self.plan = [(i, kinds[i]) for i in range(self.n_inputs)]
@@ -920,9 +923,12 @@ def make_functional_kernel(op, lowering):
                         storage.write(t, nv)
             elif target is not None:
                 storage.write(target, new, allow_overlap=allow_overlap)
+        if k.hot_writes:  # the hot kernel may replay it when each write was plain (batch norm's statistics)
+            hot_path.stash.last_call = (k, key, new_values, [vals[pos] for pos in mutates])
         return _wrap_outputs(schema, regular, vals, sig, strides=k.strides_for(key))
 
     mutating_kernel.reads_beyond = True
+    mutating_kernel.lowered = k
     return mutating_kernel
 
 
@@ -1883,7 +1889,8 @@ def register():
             # a backend kernel would shadow the decomposition that carries autograd;
             # such lowerings serve the graph paths only
             continue
-        kernel = _registered(op, lowering, make_functional_kernel(op, lowering))
+        functional = make_functional_kernel(op, lowering)
+        kernel = _registered(op, lowering, functional)
         sig = signature(op)
         code = hot_path.codes(op, lowering, sig, _kinds(sig, lowering), _ARGUMENT_CHECKS.get(op, (None,))[0] is not None) \
             if hot is not None else None
@@ -1892,6 +1899,8 @@ def register():
         else:
             # the C++ kernel calls `kernel` for what it does not serve
             hot_path.register(op, _qualname(op), code, kernel, check=lowering.check)
+            if "w" in code:
+                functional.lowered.hot_writes = True
         for derived in derived_overloads(op):
             if _qualname(derived) in SPECIAL_KERNELS or _is_composite_implicit(derived):
                 continue

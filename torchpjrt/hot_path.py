@@ -57,12 +57,17 @@ def take_entry(qualname, views):
     if call is None or _qualname(call[0].op) != qualname:
         return None
     if len(call) == 4:
-        # an in-place form: plain when each target's storage now holds the program's own result
-        # (whole-storage writes that needed no cast, broadcast or placement)
+        # an in-place form, or an op that also writes arguments: plain when each target's storage
+        # now holds the program's own result (whole-storage writes that needed no cast, broadcast
+        # or placement); a target left out (None) has no result
         kernel, key, results, targets = call
         if len(results) < len(targets):
             return None
         for result, target in zip(results, targets):
+            if target is None:
+                if result is not None:
+                    return None
+                continue
             st = getattr(target.untyped_storage(), "_pjrt", None)
             if st is None or st.array is not result:
                 return None
@@ -116,13 +121,20 @@ def codes(op, lowering, sig, kinds, has_call_check, inplace=False) -> str | None
     op `lowering` computes), or None when it does not serve it: 't' tensor, 'l' list of
     tensors, 'n' traced number ('c', 'o': one CPU converts with overflow checks to the result's
     type, or to the type it computes in), 'N' number the lowering wants static, 'f' traced list
-    of numbers ('C', 'O' checked alike), 's' static argument."""
+    of numbers ('C', 'O' checked alike), 's' static argument, 'w' a tensor the op also writes
+    (whole: its new value follows the results)."""
     from .dispatch import CONSTANT_FILLS, SCALAR, SCALAR_LIST, STATIC, TENSOR, TENSOR_LIST, checked_numbers
 
     schema = op._schema
     returns = [str(r.type) for r in schema.returns]
-    if (lowering.mutates or lowering.random or lowering.dynamic_shape or has_call_check or "device" in sig.names
+    if (lowering.random or lowering.dynamic_shape or has_call_check or "device" in sig.names
             or op in padding.PRODUCERS or op in CONSTANT_FILLS):
+        return None
+    written = set(lowering.mutates)
+    if written and (inplace or lowering.check is not None or any(
+            a.name in written and str(a.type) not in ("Tensor", "Optional[Tensor]") for a in schema.arguments)):
+        # an op that also writes arguments: served for tensors it writes whole (batch norm's
+        # running statistics, which native_batch_norm's schema does not even mark as written)
         return None
     if lowering.check is not None and returns == ["List[Tensor]"]:
         return None  # a checked op's vector comes after its results, one list here
@@ -142,7 +154,7 @@ def codes(op, lowering, sig, kinds, has_call_check, inplace=False) -> str | None
         if str(arg.type) not in _TYPES and kind != SCALAR:
             return None
         if kind == TENSOR:
-            out.append("t")
+            out.append("w" if arg.name in written else "t")
         elif kind == TENSOR_LIST:
             out.append("l")
         elif kind == SCALAR:

@@ -277,7 +277,8 @@ class HotKernel final : public c10::OperatorKernel {
   // None/bool/1), 'c' and 'o' such a number that CPU converts with overflow checks to the
   // result's type ('c') or to the type it computes in ('o': float32 for float16 and bfloat16),
   // 'N' number the lowering wants static, 'f' list of numbers (traced; 'C', 'O' checked alike),
-  // 's' static argument.
+  // 's' static argument, 'w' a tensor a functional op also writes (batch norm's running
+  // statistics): a whole storage or None, its new value after the results.
   // inplace: the op writes its first argument (a tensor, or each tensor of a list), the results
   // replacing those storages' arrays, and returns it (n_returns 1) or nothing (0).
   // n_returns: the tensors a functional op returns; -1: one list of tensors.
@@ -312,7 +313,7 @@ class HotKernel final : public c10::OperatorKernel {
       if (it != table_.end() && numbers_fit(args, it->second) && with_offsets(it->second, dyn, views)) {
         std::vector<at::Tensor> results;
         bool done = inplace_ ? run_inplace(it->second, dyn, targets, recording, checked)
-                             : run(it->second, dyn, results, recording, checked);
+                             : run(it->second, dyn, targets, results, recording, checked);
         if (done) {
           calls.fetch_add(1, std::memory_order_relaxed);
           if (budget.load(std::memory_order_relaxed) > 0) budget.fetch_sub(1, std::memory_order_relaxed);
@@ -413,6 +414,23 @@ class HotKernel final : public c10::OperatorKernel {
     for (size_t i = 0; i < codes_.size(); i++) {
       const c10::IValue& v = args[i];
       switch (codes_[i]) {
+        case 'w': {  // a tensor the op also writes: whole, its new value after the results
+          if (v.isNone() || (v.isTensor() && !v.toTensor().defined())) {
+            key.push_back(kNone);
+            Py_INCREF(Py_None);
+            if (!targets.push(Py_None)) return false;
+            continue;
+          }
+          if (!v.isTensor()) return false;
+          const at::Tensor& t = v.toTensor();
+          Held h;
+          if (!tensor_key(t, h, key, recording) || !h.whole) return false;
+          Py_INCREF(h.storage);
+          if (!targets.push(h.storage)) return false;
+          Py_INCREF(h.array);
+          if (!dyn.push(h.array)) return false;
+          break;
+        }
         case 't': {
           if (v.isNone()) {
             key.push_back(kNone);
@@ -535,7 +553,8 @@ class HotKernel final : public c10::OperatorKernel {
 
   // The program's results as new pjrt tensors in `out`; false when anything is not as the
   // Python kernel left it (the Python kernel then runs the call and says why).
-  bool run(const Entry& e, Arguments& dyn, std::vector<at::Tensor>& out, bool recording, bool checked) {
+  bool run(const Entry& e, Arguments& dyn, Arguments& written, std::vector<at::Tensor>& out, bool recording,
+           bool checked) {
     PyObject* result = call(e, dyn, recording);
     if (result == nullptr) {
       PyErr_Clear();
@@ -563,6 +582,21 @@ class HotKernel final : public c10::OperatorKernel {
       at::Tensor t = wrap(item, e.results[i], recording);
       ok = t.defined();
       out.push_back(std::move(t));
+    }
+    // the arguments it writes ('w'): their new values follow the results, None for one left out
+    ok = ok && (written.size() == 0 || PySequence_Fast_GET_SIZE(seq) ==
+                                           static_cast<Py_ssize_t>(e.results.size()) + written.size());
+    PyObject* expected = recording ? config->pending_type : config->array_type;
+    for (int j = 0; ok && j < written.size(); j++) {
+      PyObject* item = PySequence_Fast_GET_ITEM(seq, static_cast<Py_ssize_t>(e.results.size()) + j);
+      ok = written.items[j] == Py_None ? item == Py_None : reinterpret_cast<PyObject*>(Py_TYPE(item)) == expected;
+    }
+    for (int j = 0; ok && j < written.size(); j++) {
+      if (written.items[j] == Py_None) continue;
+      PyObject* item = PySequence_Fast_GET_ITEM(seq, static_cast<Py_ssize_t>(e.results.size()) + j);
+      PyObject* none = PyObject_CallMethodOneArg(written.items[j], config->name_replace, item);
+      ok = none != nullptr;
+      Py_XDECREF(none);
     }
     Py_XDECREF(seq);
     Py_DECREF(result);
