@@ -702,7 +702,8 @@ class HotKernel final : public c10::OperatorKernel {
   }
 
   // After a Python kernel call made with `key`: remember its program when it reported the call
-  // as plain (row-major results of a functional kernel) and the results are as run() makes.
+  // as plain (new dense results of a functional kernel, row-major or laid out as CPU's; results
+  // left out; whole-storage writes) and the results are as run() makes.
   void learn(std::vector<int64_t> key, const std::vector<at::Tensor>& out, const std::vector<View>& views) {
     PyObject* view_tensors = PyTuple_New(static_cast<Py_ssize_t>(views.size()));
     if (view_tensors == nullptr) {
