@@ -183,25 +183,16 @@ class _Graph:
 
     def input_slot(self, x):
         """The slot of a concrete input (an array passed twice is one input)."""
-        if type(x) is ArrayImpl:
+        is_array = type(x) is ArrayImpl or isinstance(x, jax.Array)
+        if is_array:
             slot = self.input_ids.get(id(x))
             if slot is not None:
                 return slot
-            aval = x.aval  # signature_of's, read from the aval at once
-            sig = (aval.shape, aval.dtype, aval.weak_type)
-            is_array = True
-        else:
-            is_array = isinstance(x, jax.Array)
-            if is_array:
-                slot = self.input_ids.get(id(x))
-                if slot is not None:
-                    return slot
-            sig = signature_of(x)
         slot = self.n_slots
         self.n_slots += 1
         self.inputs.append(x)
         self.input_slots.append(slot)
-        self.input_sigs.append(sig)
+        self.input_sigs.append(signature_of(x))
         if is_array:
             self.input_ids[id(x)] = slot
         return slot
@@ -321,10 +312,12 @@ def signature_of(x):
     if t is Pending:
         if x.value is not None:
             x = x.value
+            t = type(x)
         else:
             return (x.shape, x.dtype, x.weak_type)
-    if isinstance(x, jax.Array):
-        return (x.shape, x.dtype, x.weak_type)
+    if t is ArrayImpl or isinstance(x, jax.Array):
+        aval = x.aval  # one attribute read (an array's shape, dtype and weak_type each read it)
+        return (aval.shape, aval.dtype, aval.weak_type)
     if t is np.ndarray:
         return (x.shape, x.dtype, False)
     return t
