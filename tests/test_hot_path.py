@@ -662,3 +662,128 @@ def test_foreach_ops_and_an_optimizer_step(mode):
                 o.step()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6)
+
+
+def python_kernel_calls(fn):
+    """(fn's result, the aten ops whose Python kernels ran while it ran, in order)."""
+    ops = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "registered" and "op" in frame.f_locals:
+            ops.append(str(frame.f_locals["op"]))
+
+    sys.setprofile(profile)
+    try:
+        out = fn()
+    finally:
+        sys.setprofile(None)
+    return out, ops
+
+
+@needs_hot_path
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_factories_and_constant_fills_are_served_as_the_python_kernels_make_them(mode):
+    """torch.empty, zeros, ones, full, ones_like (empty + fill_ or zero_ of the whole storage)
+    from C++ after their Python kernels' first calls: the same tensors, the same shared arrays,
+    and no Python kernel."""
+    torchpjrt.set_eager_mode(mode)
+    try:
+        model = torchpjrt.storage._create_empty((1,), torch.float32)
+        x = torch.randn(3, 4, device=DEV)
+        makers = {
+            "empty": lambda: torch.empty(3, 4, device=DEV),
+            "empty_strided": lambda: torch.empty_strided((3, 4), (4, 1), device=DEV),
+            "zeros": lambda: torch.zeros(3, 4, device=DEV),
+            "ones": lambda: torch.ones(3, 4, dtype=torch.int64, device=DEV),
+            "full": lambda: torch.full((3, 4), -0.0, device=DEV),
+            "full_nan": lambda: torch.full((3, 4), float("nan"), dtype=torch.float16, device=DEV),
+            "full_bool": lambda: torch.full((3, 4), True, device=DEV),
+            "full_int": lambda: torch.full((3, 4), 7, dtype=torch.int32, device=DEV),
+            "ones_like": lambda: torch.ones_like(x),
+            "zeros_like": lambda: torch.zeros_like(x, dtype=torch.bfloat16),
+            "new_full": lambda: x.new_full((2, 3), 2.5),
+        }
+        for name, make in makers.items():
+            make()  # the Python kernels' calls: the C++ kernels learn from them
+            t, ops = python_kernel_calls(make)
+            assert ops == [], (name, ops)
+            expected = {"empty": None, "empty_strided": None}.get(name, ...)
+            assert torch._C._dispatch_keys(t) == torch._C._dispatch_keys(model), name
+            assert t.device == torch.device("pjrt:0") and t.is_contiguous() and t.storage_offset() == 0
+            st = t.untyped_storage()
+            assert st.nbytes() == t.numel() * t.element_size() and st.resizable()
+            assert t.data_ptr() >= 2**60 and t.data_ptr() % 256 == 0
+            assert st._pjrt.shape == tuple(t.shape) and st._pjrt.dtype == t.dtype and st._pjrt.padding is None
+            if expected is None:
+                assert st._pjrt.array is None  # not materialized, as storage.empty leaves it
+            else:
+                again = make()
+                # the same shared array as the Python kernel's fill (storage.filled / zeros)
+                assert again.untyped_storage()._pjrt.array is st._pjrt.array
+                assert again.data_ptr() != t.data_ptr()
+        # values, bit for bit, against CPU
+        cpu_x = x.cpu()
+        for name, make in makers.items():
+            if name.startswith("empty"):
+                continue
+            on_cpu = {"ones_like": lambda: torch.ones_like(cpu_x),
+                      "zeros_like": lambda: torch.zeros_like(cpu_x, dtype=torch.bfloat16),
+                      "new_full": lambda: cpu_x.new_full((2, 3), 2.5)}.get(name)
+            if on_cpu is None:
+                code = make.__code__
+                on_cpu = type(make)(code, dict(make.__globals__, DEV="cpu"))
+            got, want = make().cpu(), on_cpu()
+            assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)) if \
+                want.dtype.is_floating_point else torch.equal(got, want), name
+        # an empty tensor is an ordinary pjrt tensor: written in place, read, viewed
+        e = torch.empty(3, 4, device=DEV)
+        e.zero_()
+        e[1] = 2.0
+        e.view(12)[11] = 5.0
+        want = torch.zeros(3, 4)
+        want[1] = 2.0
+        want.view(12)[11] = 5.0
+        assert torch.equal(e.cpu(), want)
+        z = torch.zeros(3, 4, device=DEV)
+        version = z._version
+        z.fill_(3.0)
+        assert z._version == version + 1 and torch.equal(z.cpu(), torch.full((3, 4), 3.0))
+        # what they do not serve goes to the Python kernels, and gives what CPU gives
+        for make, want_ops in [
+            (lambda: torch.empty_strided((3, 4), (1, 3), device=DEV), ["aten.empty_strided.default"]),
+            (lambda: torch.empty(2, 3, 4, 5, memory_format=torch.channels_last, device=DEV),
+             ["aten.empty.memory_format"]),
+        ]:
+            make()
+            t, ops = python_kernel_calls(make)
+            assert want_ops[0] in ops
+            cpu_twin = type(make)(make.__code__, dict(make.__globals__, DEV="cpu"))()
+            assert t.stride() == cpu_twin.stride() and t.dtype == cpu_twin.dtype
+        row = torch.zeros(3, 4, device=DEV)
+        row[1].fill_(4.0)  # a view: scattered into its storage by the Python kernel
+        t, ops = python_kernel_calls(lambda: row[2].fill_(5.0))
+        assert "aten.fill_.Scalar" in ops
+        assert torch.equal(row.cpu(), torch.tensor([[0.0] * 4, [4.0] * 4, [5.0] * 4]))
+        # errors are the Python kernels', at every call
+        for _ in range(2):
+            with pytest.raises(TypeError, match="complex32 is not supported"):
+                torch.empty(3, dtype=torch.complex32, device=DEV)
+            with pytest.raises(RuntimeError, match="negative dimension"):
+                torch.empty(-1, device=DEV)
+            with pytest.raises(RuntimeError, match="overflow"):
+                torch.full((2,), 300, dtype=torch.uint8, device=DEV)
+        torch.full((2,), 200, dtype=torch.uint8, device=DEV)
+        # the default dtype is read at each call
+        torch.set_default_dtype(torch.float64)
+        try:
+            assert torch.empty(2, device=DEV).dtype == torch.float64
+            assert torch.zeros(2, device=DEV).dtype == torch.float64
+        finally:
+            torch.set_default_dtype(torch.float32)
+        assert torch.empty(2, device=DEV).dtype == torch.float32
+        w = torch.zeros(3, device=DEV, requires_grad=True)
+        assert w.is_leaf and w.requires_grad
+        (w * 2.0).sum().backward()
+        assert torch.equal(w.grad.cpu(), torch.full((3,), 2.0))
+    finally:
+        torchpjrt.set_eager_mode("strict")

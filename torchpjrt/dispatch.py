@@ -1021,6 +1021,7 @@ def _fill_whole(k, vals) -> bool:
         array = storage.filled(st.shape, dtypes.to_jax(self.dtype), value)
         _check_numbers(k._checked_numbers, vals, (array,), k.op)
     st.replace(array)
+    hot_path.stash.last_fill = array  # the C++ kernel gives it to the next such fill
     return True
 
 
@@ -1879,6 +1880,9 @@ def register():
             # argument static (a `device=` it cannot key sends the call to k_to_copy)
             hot_path.register(op, name, "t" + "s" * (len(op._schema.arguments) - 1), _registered(op, None, fn))
             continue
+        if name in hot_path.FACTORIES and hot is not None:
+            hot_path.register_factory(name, _registered(op, None, fn))
+            continue
         lib.impl(name, _registered(op, None, fn), "PrivateUse1")
     for op in _inplace_view_ops():
         lib.impl(_qualname(op), _instrumented(op, _bound(inplace_view_kernel, op)), "PrivateUse1")
@@ -1909,7 +1913,9 @@ def register():
             code = hot_path.codes(derived, lowering, sig, _kinds(sig, lowering),
                                   _ARGUMENT_CHECKS.get(derived, (None,))[0] is not None, inplace=True) \
                 if hot is not None and sig.kinds[0] in (TENSOR, TENSOR_LIST) else None
-            if code is None:
+            if code is None and hot is not None and _qualname(derived) in hot_path.FACTORIES:
+                hot_path.register_factory(_qualname(derived), kernel)  # zero_, fill_: shared fills
+            elif code is None:
                 lib.impl(_qualname(derived), kernel, "PrivateUse1")
             else:
                 hot_path.register(derived, _qualname(derived), code, kernel, inplace=True, check=lowering.check)

@@ -16,6 +16,12 @@ write of an in-place form. An op whose lowering checks its data on the device ha
 program's check vector to device_checks, as the Python kernel does; its key says whether the
 checks are on.
 
+Factories and constant fills have C++ kernels of their own (FACTORIES): torch.empty and
+empty_strided of a dense row-major tensor on pjrt:0 make the same storage object storage.empty
+makes; zero_() and fill_(number) of a whole small storage give it the shared array the Python
+kernel gave the same shape, dtype and number (learned through `stash.last_fill`); empty_like runs
+PyTorch's composite kernel (so the C++ empty) unless a padded storage is alive.
+
 It is registered when torchpjrt registers its kernels and the helper is already built (the
 first process on a machine builds it in the background and runs the Python kernels);
 TORCHPJRT_NATIVE_OPS=off keeps the Python kernels.
@@ -102,6 +108,8 @@ def start():
     py.torchpjrt_hot_register.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.py_object, ctypes.c_int, ctypes.c_int,
                                           ctypes.py_object]
     py.torchpjrt_hot_register.restype = ctypes.c_int
+    py.torchpjrt_hot_register_factory.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.py_object, ctypes.py_object]
+    py.torchpjrt_hot_register_factory.restype = ctypes.c_int
     py.torchpjrt_hot_calls.argtypes = []
     py.torchpjrt_hot_calls.restype = ctypes.c_longlong
     off_when = [(eager, "debug_enabled"), (placement, "multi"), (storage, "mesh_placements")]
@@ -177,6 +185,19 @@ def register(op, qualname, code, python_kernel, inplace=False, check=None) -> No
         functools.partial(device_checks.record, check=check, op_name=op), (device_checks, "enabled"))
     if _library.torchpjrt_hot_register(qualname.encode(), code.encode(), python_kernel, int(inplace), n_returns,
                                        checked) != 0:
+        raise RuntimeError(f"torchpjrt: registering the hot kernel of {qualname} failed")
+
+
+# the C++ factory kernels (csrc/hot_ops.cpp's FactoryKernel) and what each is told to watch
+FACTORIES = {"empty.memory_format": (0, (storage, "_capacity")), "empty_strided": (1, (storage, "_capacity")),
+             "empty_like": (2, (padding, "live")), "fill_.Scalar": (3, None), "zero_": (4, None)}
+
+
+def register_factory(qualname, python_kernel) -> None:
+    """Register the C++ kernel of a factory or constant fill (FACTORIES), with `python_kernel` for
+    the calls it does not serve."""
+    kind, flag = FACTORIES[qualname]
+    if _library.torchpjrt_hot_register_factory(qualname.encode(), kind, python_kernel, flag) != 0:
         raise RuntimeError(f"torchpjrt: registering the hot kernel of {qualname} failed")
 
 

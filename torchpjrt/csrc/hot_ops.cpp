@@ -13,12 +13,15 @@
 // address of its own), or for an in-place form hands the result to the target's storage
 // object (Storage.replace, as storage.write does for a whole storage). Everything else goes to
 // the Python kernel: a first call, another eager mode, padded storages, several devices, host
-// tensors. So results are the Python kernel's, call for call.
+// tensors. So results are the Python kernel's, call for call. Factories and constant fills
+// (torch.empty, zeros, ones, full, ones_like) have a kernel of their own (FactoryKernel, below).
 
 #include <ATen/Dispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/DefaultDtype.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/util/SmallVector.h>
+#include <c10/util/safe_numerics.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/Storage.h>
@@ -27,6 +30,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstring>
 #include <memory>
@@ -56,6 +60,7 @@ struct Config {
   PyObject* name_shape = nullptr;
   PyObject* name_dtype = nullptr;
   PyObject* name_last_call = nullptr;
+  PyObject* name_last_fill = nullptr;
   PyObject* name_replace = nullptr;
   c10::Allocator* allocator = nullptr;  // the one PyTorch's Python backend gives its storages
 };
@@ -216,6 +221,36 @@ bool held(const at::Tensor& t, Held& h, bool recording) {
   return true;
 }
 
+// A new pjrt tensor over a new c10 storage of `nbytes` (an address of its own, as
+// storage.give_address gives) whose storage object is `st` (a reference this call takes), or an
+// undefined tensor. `strides` empty: row-major.
+at::Tensor new_tensor(PyObject* st, c10::ScalarType dtype, c10::IntArrayRef sizes, c10::IntArrayRef strides,
+                      int64_t nbytes) {
+  uint64_t address = 0;
+  if (nbytes) address = next_address.fetch_add((static_cast<uint64_t>(nbytes) + 255) / 256 * 256);
+  c10::Storage storage(c10::make_intrusive<c10::StorageImpl>(
+      c10::StorageImpl::use_byte_size_t(), nbytes,
+      c10::DataPtr(reinterpret_cast<void*>(address), c10::Device(c10::DeviceType::PrivateUse1, 0)),
+      config->allocator, /*resizable=*/config->allocator != nullptr));
+  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage),
+                                                          c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                                          caffe2::TypeMeta::fromScalarType(dtype));
+  if (strides.empty()) {
+    t.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
+  } else {
+    t.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides);
+  }
+  PyObject* py_storage = THPStorage_Wrap(t.storage());
+  bool ok = py_storage != nullptr && PyObject_SetAttr(py_storage, config->name_pjrt, st) == 0;
+  Py_XDECREF(py_storage);
+  Py_DECREF(st);
+  if (!ok) {
+    PyErr_Clear();
+    return at::Tensor();
+  }
+  return t;
+}
+
 // A number argument the Python kernel treats as static when it is None, a bool or the int 1
 // (dispatch.scalar_is_static; for a number wrapped as a tensor, `x + 1.0`, the float 1.0 too:
 // LoweredKernel._odd_tensor_arg), traced otherwise.
@@ -269,6 +304,104 @@ bool static_value(const c10::IValue& v, std::vector<int64_t>& key) {
     return false;
   }
   return true;
+}
+
+PyObject* to_python(const c10::Argument& arg, const c10::IValue& v) {
+  if (v.isNone()) Py_RETURN_NONE;
+  c10::TypePtr type = arg.real_type();
+  if (auto optional = type->castRaw<c10::OptionalType>()) type = optional->getElementType();
+  if (type->kind() == c10::ScalarTypeType::Kind) {
+    PyObject* o = reinterpret_cast<PyObject*>(torch::getTHPDtype(v.toScalarType()));
+    Py_INCREF(o);
+    return o;
+  }
+  if (type->kind() == c10::LayoutType::Kind) {
+    PyObject* o = reinterpret_cast<PyObject*>(torch::getTHPLayout(v.toLayout()));
+    Py_INCREF(o);
+    return o;
+  }
+  if (type->kind() == c10::MemoryFormatType::Kind) {
+    PyObject* o = torch::utils::getTHPMemoryFormat(v.toMemoryFormat());
+    Py_INCREF(o);
+    return o;
+  }
+  return torch::jit::toPyObject(v).release().ptr();
+}
+
+// The Python kernel, called as the dispatcher calls a Python kernel: positional arguments,
+// keyword-only ones by name, numbers wrapped as tensors (`x + 2`) as Python numbers.
+std::vector<at::Tensor> call_python_kernel(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args,
+                                           PyObject* python_kernel, int n_returns, bool inplace) {
+  const auto& schema = op.schema();
+  PyObject* positional = PyList_New(0);
+  PyObject* keywords = PyDict_New();
+  PyObject* result = nullptr;
+  bool ok = positional != nullptr && keywords != nullptr;
+  try {
+    for (size_t i = 0; ok && i < args.size(); i++) {
+      const c10::Argument& arg = schema.arguments()[i];
+      PyObject* o = to_python(arg, args[i]);
+      if (o == nullptr) {
+        ok = false;
+      } else if (arg.kwarg_only()) {
+        ok = PyDict_SetItemString(keywords, arg.name().c_str(), o) == 0;
+        Py_DECREF(o);
+      } else {
+        ok = PyList_Append(positional, o) == 0;
+        Py_DECREF(o);
+      }
+    }
+  } catch (py::error_already_set& e) {
+    e.restore();
+    ok = false;
+  }
+  if (ok) {
+    PyObject* tuple = PyList_AsTuple(positional);
+    if (tuple != nullptr) {
+      result = PyObject_Call(python_kernel, tuple, keywords);
+      Py_DECREF(tuple);
+    }
+  }
+  Py_XDECREF(positional);
+  Py_XDECREF(keywords);
+  if (result == nullptr) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "torchpjrt: converting an op's arguments failed");
+    python_error err;
+    err.persist();
+    throw err;
+  }
+  // one tensor, a tuple of them (None for a result left out, as an output mask asks), a list
+  // of them, or nothing (an in-place form: the written argument itself, not checked)
+  std::vector<at::Tensor> out;
+  bool single = n_returns == 1;
+  Py_ssize_t n = single ? 1
+                 : n_returns == 0 ? (result == Py_None ? 0 : -1)
+                 : n_returns < 0 ? (PyList_Check(result) || PyTuple_Check(result) ? PySequence_Size(result) : -1)
+                                  : (PyTuple_Check(result) ? PyTuple_GET_SIZE(result) : -1);
+  ok = n >= 0 && (n_returns < 0 || n == static_cast<Py_ssize_t>(n_returns));
+  if (inplace) {  // the written argument itself, as the op returns it: nothing to check
+    Py_DECREF(result);
+    return out;
+  }
+  for (Py_ssize_t i = 0; ok && i < n; i++) {
+    PyObject* item = single ? result : PySequence_Fast_GET_ITEM(result, i);
+    if (item == Py_None && !single) {
+      out.emplace_back();
+    } else if (THPVariable_Check(item)) {
+      out.push_back(THPVariable_Unpack(item));
+    } else {
+      ok = false;
+    }
+  }
+  Py_DECREF(result);
+  if (!ok) {
+    PyErr_Format(PyExc_TypeError, "torchpjrt: the kernel of %s did not return its %d tensors",
+                 schema.name().c_str(), static_cast<int>(n_returns));
+    python_error err;
+    err.persist();
+    throw err;
+  }
+  return out;
 }
 
 class HotKernel final : public c10::OperatorKernel {
@@ -615,29 +748,7 @@ class HotKernel final : public c10::OperatorKernel {
       PyErr_Clear();
       return at::Tensor();
     }
-    uint64_t address = 0;
-    if (r.nbytes) address = next_address.fetch_add((static_cast<uint64_t>(r.nbytes) + 255) / 256 * 256);
-    c10::Storage storage(c10::make_intrusive<c10::StorageImpl>(
-        c10::StorageImpl::use_byte_size_t(), r.nbytes,
-        c10::DataPtr(reinterpret_cast<void*>(address), c10::Device(c10::DeviceType::PrivateUse1, 0)),
-        config->allocator, /*resizable=*/config->allocator != nullptr));
-    at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage),
-                                                            c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
-                                                            caffe2::TypeMeta::fromScalarType(r.dtype));
-    if (r.strides.empty()) {
-      t.unsafeGetTensorImpl()->set_sizes_contiguous(r.sizes);
-    } else {
-      t.unsafeGetTensorImpl()->set_sizes_and_strides(r.sizes, r.strides);
-    }
-    PyObject* py_storage = THPStorage_Wrap(t.storage());
-    bool ok = py_storage != nullptr && PyObject_SetAttr(py_storage, config->name_pjrt, st) == 0;
-    Py_XDECREF(py_storage);
-    Py_DECREF(st);
-    if (!ok) {
-      PyErr_Clear();
-      return at::Tensor();
-    }
-    return t;
+    return new_tensor(st, r.dtype, r.sizes, r.strides, r.nbytes);
   }
 
   // A checked op's vector (its program's last output) handed to device_checks, as the Python
@@ -768,101 +879,8 @@ class HotKernel final : public c10::OperatorKernel {
     table_.emplace(std::move(key), Entry{program, recorder, std::move(offset_positions), std::move(results)});
   }
 
-  static PyObject* to_python(const c10::Argument& arg, const c10::IValue& v) {
-    if (v.isNone()) Py_RETURN_NONE;
-    c10::TypePtr type = arg.real_type();
-    if (auto optional = type->castRaw<c10::OptionalType>()) type = optional->getElementType();
-    if (type->kind() == c10::ScalarTypeType::Kind) {
-      PyObject* o = reinterpret_cast<PyObject*>(torch::getTHPDtype(v.toScalarType()));
-      Py_INCREF(o);
-      return o;
-    }
-    if (type->kind() == c10::LayoutType::Kind) {
-      PyObject* o = reinterpret_cast<PyObject*>(torch::getTHPLayout(v.toLayout()));
-      Py_INCREF(o);
-      return o;
-    }
-    if (type->kind() == c10::MemoryFormatType::Kind) {
-      PyObject* o = torch::utils::getTHPMemoryFormat(v.toMemoryFormat());
-      Py_INCREF(o);
-      return o;
-    }
-    return torch::jit::toPyObject(v).release().ptr();
-  }
-
-  // The Python kernel, called as the dispatcher calls a Python kernel: positional arguments,
-  // keyword-only ones by name, numbers wrapped as tensors (`x + 2`) as Python numbers.
   std::vector<at::Tensor> call_python(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) {
-    const auto& schema = op.schema();
-    PyObject* positional = PyList_New(0);
-    PyObject* keywords = PyDict_New();
-    PyObject* result = nullptr;
-    bool ok = positional != nullptr && keywords != nullptr;
-    try {
-      for (size_t i = 0; ok && i < args.size(); i++) {
-        const c10::Argument& arg = schema.arguments()[i];
-        PyObject* o = to_python(arg, args[i]);
-        if (o == nullptr) {
-          ok = false;
-        } else if (arg.kwarg_only()) {
-          ok = PyDict_SetItemString(keywords, arg.name().c_str(), o) == 0;
-          Py_DECREF(o);
-        } else {
-          ok = PyList_Append(positional, o) == 0;
-          Py_DECREF(o);
-        }
-      }
-    } catch (py::error_already_set& e) {
-      e.restore();
-      ok = false;
-    }
-    if (ok) {
-      PyObject* tuple = PyList_AsTuple(positional);
-      if (tuple != nullptr) {
-        result = PyObject_Call(python_kernel_, tuple, keywords);
-        Py_DECREF(tuple);
-      }
-    }
-    Py_XDECREF(positional);
-    Py_XDECREF(keywords);
-    if (result == nullptr) {
-      if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "torchpjrt: converting an op's arguments failed");
-      python_error err;
-      err.persist();
-      throw err;
-    }
-    // one tensor, a tuple of them (None for a result left out, as an output mask asks), a list
-    // of them, or nothing
-    std::vector<at::Tensor> out;
-    bool single = n_returns_ == 1;
-    Py_ssize_t n = single ? 1
-                   : n_returns_ == 0 ? (result == Py_None ? 0 : -1)
-                   : n_returns_ < 0 ? (PyList_Check(result) || PyTuple_Check(result) ? PySequence_Size(result) : -1)
-                                    : (PyTuple_Check(result) ? PyTuple_GET_SIZE(result) : -1);
-    ok = n >= 0 && (n_returns_ < 0 || n == static_cast<Py_ssize_t>(n_returns_));
-    if (inplace_) {  // the written argument itself, as the op returns it: nothing to check
-      Py_DECREF(result);
-      return out;
-    }
-    for (Py_ssize_t i = 0; ok && i < n; i++) {
-      PyObject* item = single ? result : PySequence_Fast_GET_ITEM(result, i);
-      if (item == Py_None && !single) {
-        out.emplace_back();
-      } else if (THPVariable_Check(item)) {
-        out.push_back(THPVariable_Unpack(item));
-      } else {
-        ok = false;
-      }
-    }
-    Py_DECREF(result);
-    if (!ok) {
-      PyErr_Format(PyExc_TypeError, "torchpjrt: the kernel of %s did not return its %d tensors",
-                   schema.name().c_str(), static_cast<int>(n_returns_));
-      python_error err;
-      err.persist();
-      throw err;
-    }
-    return out;
+    return call_python_kernel(op, args, python_kernel_, n_returns_, inplace_);
   }
 
   PyObject* name_;  // "add.Tensor": the stash must name this op
@@ -874,6 +892,252 @@ class HotKernel final : public c10::OperatorKernel {
   bool inplace_;
   int n_returns_;  // tensors the op returns
   std::unordered_map<std::vector<int64_t>, Entry, KeyHash> table_;  // touched with the GIL held
+};
+
+
+// Factories and constant fills: torch.empty, and through it torch.zeros, ones, full, ones_like and
+// autograd's seed gradient (each an empty tensor, then fill_ or zero_ of its whole storage), which
+// would otherwise each call a Python kernel. Results are the Python kernels': a new empty tensor's
+// storage object holds no array yet (storage.empty), and a fill of a whole small storage gets the
+// same shared array the Python kernel gave it (storage.filled, storage.zeros: one array per shape,
+// dtype and number, learned from the Python kernel's first call through `stash.last_fill`).
+// empty_like goes to PyTorch's own composite kernel (so to the empty kernel here) unless a padded
+// storage is alive: padding.empty_like pads a padded tensor's result alike. None of them runs a
+// program, so they are not counted against a flush-heavy region (`calls`, `budget`).
+class FactoryKernel final : public c10::OperatorKernel {
+ public:
+  enum Kind { kEmpty = 0, kEmptyStrided = 1, kEmptyLike = 2, kFill = 3, kZero = 4 };
+
+  // flag: (module dict, name): for the empty kinds storage's `_capacity` (a larger tensor goes to
+  // the Python kernel, which checks it against the device), for empty_like padding's `live`
+  FactoryKernel(Kind kind, PyObject* python_kernel, std::pair<PyObject*, PyObject*> flag)
+      : kind_(kind), python_kernel_(python_kernel), flag_(flag) {
+    Py_INCREF(python_kernel_);
+  }
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+    const size_t n = op.schema().arguments().size();
+    if (kind_ == kEmptyLike) {
+      bool python;
+      {
+        GilHeld gil;
+        python = python_path_wanted() || is_set(flag_.first, flag_.second);
+      }
+      if (!python) {
+        op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CompositeExplicitAutograd), stack);
+        return;
+      }
+    }
+    GilHeld gil;
+    auto args = torch::jit::last(*stack, n);
+    const bool fill = kind_ == kFill || kind_ == kZero;
+    std::vector<int64_t> key;
+    PyObject* st = nullptr;  // a fill's storage object
+    bool keyed = false;
+    if (kind_ != kEmptyLike && !python_path_wanted()) {
+      if (fill) {
+        keyed = fill_key(args, key, st);
+        if (keyed) {
+          auto it = fills_.find(key);
+          if (it != fills_.end()) {
+            PyObject* none = PyObject_CallMethodOneArg(st, config->name_replace, it->second);
+            Py_XDECREF(none);
+            if (none != nullptr) {
+              Py_DECREF(st);
+              c10::IValue self = args[0];
+              torch::jit::drop(*stack, n);
+              stack->emplace_back(std::move(self));
+              return;
+            }
+            PyErr_Clear();
+          }
+        }
+      } else {
+        at::Tensor t = empty(args);
+        if (t.defined()) {
+          torch::jit::drop(*stack, n);
+          stack->emplace_back(std::move(t));
+          return;
+        }
+      }
+    }
+    if (keyed && PyObject_SetAttr(config->stash, config->name_last_fill, Py_None) != 0) PyErr_Clear();
+    std::vector<at::Tensor> out;
+    try {
+      out = call_python_kernel(op, args, python_kernel_, 1, fill);
+    } catch (...) {
+      Py_XDECREF(st);
+      throw;
+    }
+    if (keyed) {
+      learn_fill(std::move(key));
+      Py_DECREF(st);
+    }
+    if (fill) {
+      c10::IValue self = args[0];
+      torch::jit::drop(*stack, n);
+      stack->emplace_back(std::move(self));
+      return;
+    }
+    if (out.size() == 1 && out[0].defined()) {  // the Python kernel took this dtype
+      int d = static_cast<int>(out[0].scalar_type());
+      if (d >= 0 && d < static_cast<int>(known_dtypes_.size())) known_dtypes_[d] = true;
+    }
+    torch::jit::drop(*stack, n);
+    for (auto& t : out) stack->emplace_back(std::move(t));
+  }
+
+ private:
+  // empty.memory_format(size, dtype, layout, device, pin_memory, memory_format) or
+  // empty_strided(size, stride, dtype, layout, device, pin_memory) on pjrt:0, dense and
+  // row-major, of a dtype the Python kernel has made a tensor of: the new tensor; else undefined.
+  at::Tensor empty(c10::ArrayRef<c10::IValue> args) {
+    const size_t o = kind_ == kEmptyStrided ? 1 : 0;
+    if (!args[0].isIntList()) return {};
+    std::vector<int64_t> sizes = args[0].toIntVector();
+    c10::ScalarType dtype = args[o + 1].isNone() ? c10::typeMetaToScalarType(c10::get_default_dtype())
+                                                 : args[o + 1].toScalarType();
+    const int d = static_cast<int>(dtype);
+    if (d < 0 || d >= static_cast<int>(known_dtypes_.size()) || !known_dtypes_[d]) return {};
+    if (!args[o + 2].isNone() && args[o + 2].toLayout() != c10::kStrided) return {};
+    if (!args[o + 3].isNone()) {
+      c10::Device device = args[o + 3].toDevice();
+      if (device.type() != c10::DeviceType::PrivateUse1 || device.index() > 0) return {};
+    }
+    if (!args[o + 4].isNone() && args[o + 4].toBool()) return {};
+    if (kind_ == kEmpty && !args[5].isNone()) {
+      c10::MemoryFormat format = args[5].toMemoryFormat();
+      if (format != c10::MemoryFormat::Contiguous && format != c10::MemoryFormat::Preserve) return {};
+    }
+    int64_t numel = 1;
+    for (int64_t s : sizes)
+      if (s < 0 || c10::mul_overflows(numel, s, &numel)) return {};
+    if (kind_ == kEmptyStrided) {  // only row-major strides (storage.contiguous_strides)
+      if (!args[1].isIntList()) return {};
+      std::vector<int64_t> strides = args[1].toIntVector();
+      if (strides.size() != sizes.size()) return {};
+      int64_t expected = 1;
+      for (size_t i = sizes.size(); i-- > 0;) {
+        if (strides[i] != expected) return {};
+        expected *= std::max<int64_t>(sizes[i], 1);
+      }
+    }
+    int64_t nbytes = 0;
+    if (c10::mul_overflows(numel, static_cast<int64_t>(c10::elementSize(dtype)), &nbytes)) return {};
+    PyObject* capacity = PyDict_GetItemWithError(flag_.first, flag_.second);  // borrowed
+    if (capacity == nullptr || !PyLong_CheckExact(capacity)) {
+      PyErr_Clear();
+      return {};
+    }
+    if (nbytes > PyLong_AsLongLong(capacity)) return {};
+    PyObject* shape = PyTuple_New(static_cast<Py_ssize_t>(sizes.size()));
+    for (size_t i = 0; shape != nullptr && i < sizes.size(); i++) {
+      PyObject* s = PyLong_FromLongLong(sizes[i]);
+      if (s == nullptr) {
+        Py_CLEAR(shape);
+        break;
+      }
+      PyTuple_SET_ITEM(shape, static_cast<Py_ssize_t>(i), s);
+    }
+    if (shape == nullptr) {
+      PyErr_Clear();
+      return {};
+    }
+    PyObject* new_args[3] = {Py_None, reinterpret_cast<PyObject*>(torch::getTHPDtype(dtype)), shape};
+    PyObject* st = PyObject_Vectorcall(config->storage_class, new_args, 3, nullptr);  // Storage(None, dtype, shape)
+    Py_DECREF(shape);
+    if (st == nullptr) {
+      PyErr_Clear();
+      return {};
+    }
+    return new_tensor(st, dtype, sizes, {}, nbytes);
+  }
+
+  // The key of zero_() or fill_(number) of a whole storage on pjrt:0 (its dtype, its sizes, the
+  // number's type and bits) and the storage object (a new reference in `st`); false otherwise.
+  bool fill_key(c10::ArrayRef<c10::IValue> args, std::vector<int64_t>& key, PyObject*& st) {
+    if (!args[0].isTensor()) return false;
+    const at::Tensor& t = args[0].toTensor();
+    if (!t.defined() || t.device().type() != c10::DeviceType::PrivateUse1 || t.device().index() > 0 ||
+        t.storage_offset() != 0 || !t.is_contiguous())
+      return false;
+    key.push_back(static_cast<int64_t>(t.scalar_type()));
+    key.push_back(t.dim());
+    for (int64_t s : t.sizes()) key.push_back(s);
+    if (kind_ == kFill) {
+      const c10::IValue& v = args[1];
+      if (v.isDouble()) {
+        key.push_back(kDynFloat);
+        key.push_back(bits_of(v.toDouble()));
+      } else if (v.isBool()) {
+        key.push_back(kBool);
+        key.push_back(v.toBool());
+      } else if (v.isInt()) {
+        key.push_back(kDynInt);
+        key.push_back(v.toInt());
+      } else {
+        return false;
+      }
+    }
+    PyObject* py_storage = THPStorage_Wrap(t.storage());
+    if (py_storage == nullptr) {
+      PyErr_Clear();
+      return false;
+    }
+    PyObject* storage = PyObject_GetAttr(py_storage, config->name_pjrt);
+    Py_DECREF(py_storage);
+    if (storage == nullptr) {
+      PyErr_Clear();
+      return false;
+    }
+    // the whole storage, not padded, of the tensor's dtype (storage.is_identity)
+    PyObject* shape = PyObject_GetAttr(storage, config->name_shape);
+    PyObject* dtype = PyObject_GetAttr(storage, config->name_dtype);
+    PyObject* padding = PyObject_GetAttr(storage, config->name_padding);
+    bool ok = shape != nullptr && dtype != nullptr && padding == Py_None && PyTuple_Check(shape) &&
+              dtype == reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type())) &&
+              PyTuple_GET_SIZE(shape) == t.dim();
+    for (int64_t i = 0; ok && i < t.dim(); i++) {
+      PyObject* s = PyTuple_GET_ITEM(shape, i);
+      ok = PyLong_CheckExact(s) && PyLong_AsLongLong(s) == t.size(i);
+    }
+    Py_XDECREF(shape);
+    Py_XDECREF(dtype);
+    Py_XDECREF(padding);
+    if (!ok) {
+      PyErr_Clear();
+      Py_DECREF(storage);
+      return false;
+    }
+    st = storage;
+    return true;
+  }
+
+  // After the Python kernel's fill: the shared array it gave the storage, for this key.
+  void learn_fill(std::vector<int64_t> key) {
+    PyObject* array = PyObject_GetAttr(config->stash, config->name_last_fill);
+    if (array == nullptr) {
+      PyErr_Clear();
+      return;
+    }
+    if (reinterpret_cast<PyObject*>(Py_TYPE(array)) != config->array_type) {
+      Py_DECREF(array);
+      return;
+    }
+    if (fills_.size() >= kFillsKept) {  // small arrays, but not without bound
+      for (auto& [k, a] : fills_) Py_DECREF(a);
+      fills_.clear();
+    }
+    auto [it, inserted] = fills_.emplace(std::move(key), array);
+    if (!inserted) Py_DECREF(array);
+  }
+
+  static constexpr size_t kFillsKept = 256;
+  Kind kind_;
+  PyObject* python_kernel_;
+  std::pair<PyObject*, PyObject*> flag_;
+  std::array<bool, 64> known_dtypes_{};  // dtypes the Python kernel made an empty tensor of
+  std::unordered_map<std::vector<int64_t>, PyObject*, KeyHash> fills_;  // touched with the GIL held
 };
 
 }  // namespace
@@ -937,6 +1201,7 @@ int torchpjrt_hot_configure(PyObject* storage_class, PyObject* array_type, PyObj
   c->name_shape = PyUnicode_InternFromString("shape");
   c->name_dtype = PyUnicode_InternFromString("dtype");
   c->name_last_call = PyUnicode_InternFromString("last_call");
+  c->name_last_fill = PyUnicode_InternFromString("last_fill");
   c->name_replace = PyUnicode_InternFromString("replace");
   config = c.release();
   return 0;
@@ -971,6 +1236,40 @@ int torchpjrt_hot_register(const char* name, const char* codes, PyObject* python
     registration->impl(name, torch::CppFunction::makeFromBoxedFunctor(
                                  std::make_unique<HotKernel>(name, codes, python_kernel, inplace != 0, n_returns,
                                                              check_recorder, checks_on)));
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return -1;
+  }
+  return 0;
+}
+
+// Register a FactoryKernel for aten::`name`: kind (FactoryKernel::Kind), `python_kernel` for every
+// call it does not serve, `flag` None or (module, attribute name) (see FactoryKernel). Returns 0,
+// or -1 with a Python error set.
+int torchpjrt_hot_register_factory(const char* name, int kind, PyObject* python_kernel, PyObject* flag) {
+  if (config == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "torchpjrt_hot_configure was not called");
+    return -1;
+  }
+  std::pair<PyObject*, PyObject*> flag_entry{nullptr, nullptr};
+  if (flag != Py_None) {
+    PyObject* module = nullptr;
+    PyObject* attribute = nullptr;
+    if (!PyArg_ParseTuple(flag, "OU", &module, &attribute)) return -1;
+    PyObject* dict = PyObject_GenericGetDict(module, nullptr);
+    if (dict == nullptr) return -1;
+    Py_INCREF(attribute);
+    flag_entry = {dict, attribute};
+  } else if (kind != FactoryKernel::kFill && kind != FactoryKernel::kZero) {
+    PyErr_SetString(PyExc_ValueError, "this factory kernel needs its flag");
+    return -1;
+  }
+  try {
+    if (!registration)
+      registration = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1,
+                                                      __FILE__, __LINE__);
+    registration->impl(name, torch::CppFunction::makeFromBoxedFunctor(std::make_unique<FactoryKernel>(
+                                 static_cast<FactoryKernel::Kind>(kind), python_kernel, flag_entry)));
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return -1;
