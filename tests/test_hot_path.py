@@ -787,3 +787,20 @@ def test_factories_and_constant_fills_are_served_as_the_python_kernels_make_them
         assert torch.equal(w.grad.cpu(), torch.full((3,), 2.0))
     finally:
         torchpjrt.set_eager_mode("strict")
+
+
+def test_arange_of_an_end_or_a_start_and_end_is_one_kernel_call():
+    """torch.arange(end) and arange(start, end) (position ids, masks: several a forward of a
+    transformers model) run their own lowering, where ATen's composite kernels filled an empty
+    tensor through arange.start_out (a decomposition, resize_ and copy_: three Python kernels)."""
+    cases = [((32,), {}), ((3, 32), {}), ((0.5, 7.2), {}), ((7.5,), {}), ((5,), {"dtype": torch.float16}),
+             ((-4, 9), {"dtype": torch.int32}), ((0,), {})]
+    for args, kwargs in cases:
+        torch.arange(*args, device=DEV, **kwargs)
+        t, ops = python_kernel_calls(lambda: torch.arange(*args, device=DEV, **kwargs))
+        want = torch.arange(*args, **kwargs)
+        assert ops == [f"aten.arange.{'default' if len(args) == 1 else 'start'}"], (args, ops)
+        assert t.dtype == want.dtype and torch.equal(t.cpu(), want), args
+    out = torch.empty(0, dtype=torch.int64, device=DEV)
+    torch.arange(2, 6, out=out)
+    assert torch.equal(out.cpu(), torch.arange(2, 6))

@@ -97,6 +97,18 @@ def arange(start, end, step=1, dtype=None, layout=None, device=None, pin_memory=
     return (start + step * jnp.arange(meta.numel(), dtype=acc)).astype(out)
 
 
+# torch.arange(end) and torch.arange(start, end): ATen's composite kernels of these two fill an
+# empty tensor through arange.start_out (a decomposition, a resize_ and a copy_ on this backend)
+@lower(aten.arange.default, static=("end",))
+def arange_to(end, dtype=None, layout=None, device=None, pin_memory=None):
+    return arange(0, end, 1, dtype)
+
+
+@lower(aten.arange.start, static=("start", "end"))
+def arange_from(start, end, dtype=None, layout=None, device=None, pin_memory=None):
+    return arange(start, end, 1, dtype)
+
+
 def _linspace(start, end, steps, dtype):
     """PyTorch's CPU linspace: the first half counts up from start, the rest down from end."""
     start, end = jnp.asarray(start), jnp.asarray(end)
