@@ -804,3 +804,58 @@ def test_arange_of_an_end_or_a_start_and_end_is_one_kernel_call():
     out = torch.empty(0, dtype=torch.int64, device=DEV)
     torch.arange(2, 6, out=out)
     assert torch.equal(out.cpu(), torch.arange(2, 6))
+
+
+@needs_hot_path
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_views_in_list_arguments_are_keyed_by_their_geometry(mode):
+    """cat and stack of views (rotate_half's halves), a foreach op's views: each view keyed as a
+    view argument is (its strides, offset and storage), with its offset passed as the Python
+    kernel passed it; cat([x, y]) that padding.py may make an append stays with the Python kernel."""
+    from torchpjrt import padding
+
+    torchpjrt.set_eager_mode(mode)
+    try:
+        q = torch.randn(4, 2, 6, 16, device=DEV)
+        qc = q.cpu()
+        col = torch.randn(40, 3, device=DEV)  # a column view's last rows: offset compiled in
+        colc = col.cpu()
+        calls = [
+            (lambda t: torch.cat((-t[..., 8:], t[..., :8]), dim=-1), (q, qc), 2),
+            (lambda t: torch.stack([t[0], t[1], t[3]], 1), (q, qc), 1),
+            (lambda t: torch.cat([t[1], t[0, :, 2:]], 1), (q, qc), 1),
+            (lambda t: torch.cat([t[i:i + 2, 2] for i in (0, 10, 37, 38)]), (col, colc), 1),
+        ]
+        for fn, (x, xc), n_ops in calls:
+            fn(x)  # the Python kernels' calls
+            out, n = served(lambda: fn(x))
+            assert n == n_ops, n
+            assert torch.equal(out.cpu(), fn(xc))
+        for i in range(5):  # the same geometry at other offsets: one program, offsets as arguments
+            out = torch.cat([q[i % 4, 0], q[(i + 1) % 4, 1, :, 3:]], 1)
+            assert torch.equal(out.cpu(), torch.cat([qc[i % 4, 0], qc[(i + 1) % 4, 1, :, 3:]], 1))
+        a, b = torch.randn(2, 5, device=DEV), torch.randn(2, 5, device=DEV)
+        grads = torch.randn(3, 5, device=DEV)
+        ac, bc, gc = a.cpu(), b.cpu(), grads.cpu()
+        for _ in range(3):
+            torch._foreach_add_([a, b], [grads[:2], grads[1:]], alpha=0.5)
+            torch._foreach_add_([ac, bc], [gc[:2], gc[1:]], alpha=0.5)
+        out, n = served(lambda: torch._foreach_add_([a, b], [grads[:2], grads[1:]], alpha=0.5))
+        torch._foreach_add_([ac, bc], [gc[:2], gc[1:]], alpha=0.5)
+        assert n == 1
+        torch._foreach_mul_([a[0], b], 2.0)  # a view target: the Python kernel writes its storage
+        out, n = served(lambda: torch._foreach_mul_([a[0], b], 2.0))
+        torch._foreach_mul_([ac[0], bc], 2.0)
+        torch._foreach_mul_([ac[0], bc], 2.0)
+        assert n == 0
+        assert torch.equal(a.cpu(), ac) and torch.equal(b.cpu(), bc)
+        # a sequence of one grown a token at a time: appended into a padded storage
+        seq = torch.zeros(1, 3, dtype=torch.long, device=DEV)
+        for step in range(4):
+            tok = torch.full((1, 1), step, dtype=torch.long, device=DEV)
+            seq, n = served(lambda: torch.cat([seq, tok], dim=-1))
+            assert n == 0
+        assert padding.storage_padding_of(seq) is not None
+        assert seq.cpu().tolist() == [[0, 0, 0, 0, 1, 2, 3]]
+    finally:
+        torchpjrt.set_eager_mode("strict")

@@ -127,7 +127,7 @@ def start():
 def codes(op, lowering, sig, kinds, has_call_check, inplace=False) -> str | None:
     """The C++ kernel's per-argument codes for `op` (with `inplace`: an in-place form of the
     op `lowering` computes), or None when it does not serve it: 't' tensor, 'l' list of
-    tensors, 'n' traced number ('c', 'o': one CPU converts with overflow checks to the result's
+    tensors ('a': cat's, whose appends go to the Python kernel), 'n' traced number ('c', 'o': one CPU converts with overflow checks to the result's
     type, or to the type it computes in), 'N' number the lowering wants static, 'f' traced list
     of numbers ('C', 'O' checked alike), 's' static argument, 'w' a tensor the op also writes
     (whole: its new value follows the results)."""
@@ -135,8 +135,10 @@ def codes(op, lowering, sig, kinds, has_call_check, inplace=False) -> str | None
 
     schema = op._schema
     returns = [str(r.type) for r in schema.returns]
+    # cat is a producer of padded storages only as an append to a growing sequence, which the C++
+    # kernel leaves to the Python kernel (code 'a')
     if (lowering.random or lowering.dynamic_shape or has_call_check or "device" in sig.names
-            or op in padding.PRODUCERS or op in CONSTANT_FILLS):
+            or (op in padding.PRODUCERS and op != torch.ops.aten.cat.default) or op in CONSTANT_FILLS):
         return None
     written = set(lowering.mutates)
     if written and (inplace or lowering.check is not None or any(
@@ -164,7 +166,7 @@ def codes(op, lowering, sig, kinds, has_call_check, inplace=False) -> str | None
         if kind == TENSOR:
             out.append("w" if arg.name in written else "t")
         elif kind == TENSOR_LIST:
-            out.append("l")
+            out.append("a" if op == torch.ops.aten.cat.default else "l")
         elif kind == SCALAR:
             out.append("N" if sig.names[i] in lowering.static else "n" if i not in checked else "o" if checked[i] else "c")
         elif kind == SCALAR_LIST:

@@ -79,11 +79,13 @@ constexpr int64_t kNone = -1, kBool = -2, kDynInt = -4, kDynFloat = -6, kInt = -
                   kFloat = -8, kIntList = -9, kString = -10, kTensor = -11, kView = -12, kList = -13,
                   kReshaped = -14;
 
-// A view argument of one call: where its array is among the program's arguments, its offset.
+// A view argument of one call: where its array is among the program's arguments (`element`: its
+// index in the list argument there, -1 for an argument of its own), its offset.
 struct View {
   int position;
+  int element;
   int64_t offset;
-  const at::Tensor* tensor;
+  at::Tensor tensor;
 };
 
 // One result of a functional op: what its new tensor is made of.
@@ -103,7 +105,8 @@ struct Result {
 struct Entry {
   PyObject* program;  // the compiled function the Python kernel called for this key
   PyObject* recorder;  // (arguments) -> the program's results recorded into fused mode's graph
-  std::vector<int> offset_positions;  // view arguments passed as (array, offset), as the Python kernel did
+  // view arguments passed as (array, offset), as the Python kernel did: (position, element)
+  std::vector<std::pair<int, int>> offset_positions;
   std::vector<Result> results;  // none for an in-place form
 };
 
@@ -406,7 +409,8 @@ std::vector<at::Tensor> call_python_kernel(const c10::OperatorHandle& op, c10::A
 
 class HotKernel final : public c10::OperatorKernel {
  public:
-  // codes: per schema argument, 't' tensor, 'l' list of tensors, 'n' number (traced unless
+  // codes: per schema argument, 't' tensor, 'l' list of tensors ('a' cat's: two tensors that
+  // padding.py may append go to the Python kernel), 'n' number (traced unless
   // None/bool/1), 'c' and 'o' such a number that CPU converts with overflow checks to the
   // result's type ('c') or to the type it computes in ('o': float32 for float16 and bfloat16),
   // 'N' number the lowering wants static, 'f' list of numbers (traced; 'C', 'O' checked alike),
@@ -542,6 +546,19 @@ class HotKernel final : public c10::OperatorKernel {
     for (int64_t s : h.storage_shape) key.push_back(s);
   }
 
+  // Whether cat([x, y], dim) is one padding.py may turn into an append to a growing sequence
+  // (padding._appended: every dimension of x before dim of size 1), which the Python kernel
+  // decides: the same key can append or not, with the storage's history.
+  static bool cat_may_append(const at::Tensor& x, const c10::IValue& dim_value) {
+    if (!x.defined() || x.dim() == 0 || !dim_value.isInt()) return true;
+    int64_t dim = dim_value.toInt();
+    if (dim < 0) dim += x.dim();
+    if (dim < 0 || dim >= x.dim()) return true;
+    for (int64_t k = 0; k < dim; k++)
+      if (x.size(k) != 1) return false;
+    return true;
+  }
+
   bool make_key(c10::ArrayRef<c10::IValue> args, std::vector<int64_t>& key, Arguments& dyn, Arguments& targets,
                 std::vector<View>& views, bool recording) {
     for (size_t i = 0; i < codes_.size(); i++) {
@@ -598,13 +615,15 @@ class HotKernel final : public c10::OperatorKernel {
             key.push_back(t.storage_offset());
             key.push_back(static_cast<int64_t>(h.storage_shape.size()));
             for (int64_t s : h.storage_shape) key.push_back(s);
-            views.push_back(View{dyn.size() - 1, t.storage_offset(), &t});
+            views.push_back(View{dyn.size() - 1, -1, t.storage_offset(), t});
           }
           break;
         }
-        case 'l': {  // whole (or reshaped) tensors only: the Python kernel reads a view in a list on its own
+        case 'l':
+        case 'a': {  // views keyed by their geometry as arguments of their own are; 'a': cat's list
           if (!v.isTensorList()) return false;
           auto list = v.toTensorList();
+          if (codes_[i] == 'a' && list.size() == 2 && cat_may_append(list.get(0), args[i + 1])) return false;
           key.push_back(kList);
           key.push_back(static_cast<int64_t>(list.size()));
           PyObject* arrays = PyList_New(static_cast<Py_ssize_t>(list.size()));
@@ -612,17 +631,24 @@ class HotKernel final : public c10::OperatorKernel {
           for (size_t j = 0; j < list.size(); j++) {
             at::Tensor t = list[j];
             Held h;
-            if (!t.defined() || !tensor_key(t, h, key, recording) || !(h.whole || h.reshaped)) return false;
-            if (h.reshaped) {
-              if (inplace_ && i == 0) return false;  // a target in another shape: the Python kernel writes it
-              reshaped_key(h, key);
-            }
+            if (!t.defined() || !tensor_key(t, h, key, recording)) return false;
             if (inplace_ && i == 0) {
+              if (!h.whole) return false;  // a target that is a view or in another shape: the Python kernel writes it
               // a tensor written twice: CPU applies the op to it twice, in turn (the Python kernel)
               for (PyObject* seen : targets.items)
                 if (seen == h.storage) return false;
               Py_INCREF(h.storage);
               if (!targets.push(h.storage)) return false;
+            }
+            if (h.reshaped) {
+              reshaped_key(h, key);
+            } else if (!h.whole) {  // a view (rotate_half's halves): as for a view argument
+              key.push_back(kView);
+              for (int64_t s : t.strides()) key.push_back(s);
+              key.push_back(t.storage_offset());
+              key.push_back(static_cast<int64_t>(h.storage_shape.size()));
+              for (int64_t s : h.storage_shape) key.push_back(s);
+              views.push_back(View{dyn.size() - 1, static_cast<int>(j), t.storage_offset(), t});
             }
             Py_INCREF(h.array);
             PyList_SET_ITEM(arrays, static_cast<Py_ssize_t>(j), h.array);
@@ -766,22 +792,28 @@ class HotKernel final : public c10::OperatorKernel {
 
   // The view arguments the program takes with their offset (storage.runtime_offset), as tuples.
   static bool with_offsets(const Entry& e, Arguments& dyn, const std::vector<View>& views) {
-    for (int position : e.offset_positions) {
+    for (auto [position, element] : e.offset_positions) {
       const View* view = nullptr;
       for (const View& v : views)
-        if (v.position == position) view = &v;
+        if (v.position == position && v.element == element) view = &v;
       if (view == nullptr) return false;
       PyObject* offset = PyLong_FromLongLong(view->offset);
       PyObject* typed = offset != nullptr ? PyObject_CallOneArg(config->int64_type, offset) : nullptr;
       Py_XDECREF(offset);
-      PyObject* pair = typed != nullptr ? PyTuple_Pack(2, dyn.items[position], typed) : nullptr;
+      PyObject* list = element >= 0 ? dyn.items[position] : nullptr;
+      PyObject* array = list != nullptr ? PyList_GET_ITEM(list, element) : dyn.items[position];
+      PyObject* pair = typed != nullptr ? PyTuple_Pack(2, array, typed) : nullptr;
       Py_XDECREF(typed);
       if (pair == nullptr) {
         PyErr_Clear();
         return false;
       }
-      Py_DECREF(dyn.items[position]);
-      dyn.items[position] = pair;
+      if (list != nullptr) {
+        PyList_SetItem(list, element, pair);  // takes `pair`, drops the array's reference
+      } else {
+        Py_DECREF(dyn.items[position]);
+        dyn.items[position] = pair;
+      }
     }
     return true;
   }
@@ -821,7 +853,7 @@ class HotKernel final : public c10::OperatorKernel {
       PyErr_Clear();
       return;
     }
-    for (size_t j = 0; j < views.size(); j++) PyTuple_SET_ITEM(view_tensors, j, THPVariable_Wrap(*views[j].tensor));
+    for (size_t j = 0; j < views.size(); j++) PyTuple_SET_ITEM(view_tensors, j, THPVariable_Wrap(views[j].tensor));
     PyObject* found = name_ != nullptr ? PyObject_CallFunctionObjArgs(config->take_entry, name_, view_tensors, nullptr)
                                        : nullptr;
     Py_DECREF(view_tensors);
@@ -830,7 +862,7 @@ class HotKernel final : public c10::OperatorKernel {
       return;
     }
     // (program, per view: whether it was passed with its offset), or None
-    std::vector<int> offset_positions;
+    std::vector<std::pair<int, int>> offset_positions;
     PyObject* program = Py_None;
     PyObject* recorder = Py_None;
     if (found != Py_None) {
@@ -840,7 +872,7 @@ class HotKernel final : public c10::OperatorKernel {
         return;
       }
       for (size_t j = 0; j < views.size(); j++)
-        if (PyTuple_GET_ITEM(forms, j) == Py_True) offset_positions.push_back(views[j].position);
+        if (PyTuple_GET_ITEM(forms, j) == Py_True) offset_positions.emplace_back(views[j].position, views[j].element);
       program = PyTuple_GET_ITEM(found, 0);
       recorder = PyTuple_GET_ITEM(found, 2);
     }
