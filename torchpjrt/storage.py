@@ -45,7 +45,9 @@ class Storage:
         self.tracked_in = 0  # the serial of the fused graph that swaps its value in (fusion.track)
         if type(array) is fusion.Pending:
             fusion.track(self, array)  # swapped for the computed array when the graph runs
-        self.shape = tuple(array.shape) if array is not None else tuple(shape)
+        # `shape`, when given with an array, is the array's (the hot path passes it: reading an
+        # array's shape is a Python property of JAX's)
+        self.shape = tuple(shape) if shape is not None else tuple(array.shape)
         self.dtype = dtype
         self.version = 0
         self.views = None  # {(geometry, dtype): (version, array)} for materialized views

@@ -62,6 +62,8 @@ struct Config {
   PyObject* name_last_call = nullptr;
   PyObject* name_last_fill = nullptr;
   PyObject* name_replace = nullptr;
+  PyObject* name_call = nullptr;
+  PyObject* name_traceable = nullptr;
   c10::Allocator* allocator = nullptr;  // the one PyTorch's Python backend gives its storages
 };
 
@@ -100,6 +102,9 @@ struct Result {
   // false: a result the op leaves out (a backward op's gradient its output mask does not ask
   // for), None from the program and an undefined tensor from the op, as from the Python kernel
   bool defined = true;
+  // a row-major result's storage shape (a tuple of the sizes), given to the storage object so
+  // that it does not read the array's shape; nullptr for a laid-out result
+  PyObject* shape = nullptr;
 };
 
 struct Entry {
@@ -108,6 +113,8 @@ struct Entry {
   // view arguments passed as (array, offset), as the Python kernel did: (position, element)
   std::vector<std::pair<int, int>> offset_positions;
   std::vector<Result> results;  // none for an in-place form
+  // `program` is a kernel_cache.CachedKernel: its loaded executable (`_call`) is called directly
+  bool kept = false;
 };
 
 struct KeyHash {
@@ -698,7 +705,17 @@ class HotKernel final : public c10::OperatorKernel {
   // The program called now, or recorded into fused mode's graph (fusion.record_keyed, as the
   // Python kernel records it): its results, a new reference, or nullptr.
   static PyObject* call(const Entry& e, Arguments& dyn, bool recording) {
-    if (!recording) return PyObject_Vectorcall(e.program, dyn.items.data(), dyn.size(), nullptr);
+    if (!recording) {
+      // a kept program's loaded executable, without CachedKernel.__call__'s Python frames; one
+      // not loaded (or released by live_programs) goes through __call__, which loads it, and an
+      // argument the executable refuses makes the call fail here and the Python kernel run it
+      PyObject* loaded = e.kept ? PyObject_GetAttr(e.program, config->name_call) : nullptr;
+      if (loaded == nullptr) PyErr_Clear();
+      PyObject* target = loaded != nullptr && loaded != Py_None ? loaded : e.program;
+      PyObject* result = PyObject_Vectorcall(target, dyn.items.data(), dyn.size(), nullptr);
+      Py_XDECREF(loaded);
+      return result;
+    }
     PyObject* list = PyList_New(dyn.size());
     if (list == nullptr) return nullptr;
     for (int i = 0; i < dyn.size(); i++) {
@@ -768,8 +785,8 @@ class HotKernel final : public c10::OperatorKernel {
   static at::Tensor wrap(PyObject* array, const Result& r, bool recording) {
     if (reinterpret_cast<PyObject*>(Py_TYPE(array)) != (recording ? config->pending_type : config->array_type))
       return at::Tensor();
-    PyObject* new_args[2] = {array, r.dtype_object};
-    PyObject* st = PyObject_Vectorcall(config->storage_class, new_args, 2, nullptr);
+    PyObject* new_args[3] = {array, r.dtype_object, r.shape};
+    PyObject* st = PyObject_Vectorcall(config->storage_class, new_args, r.shape != nullptr ? 3 : 2, nullptr);
     if (st == nullptr) {
       PyErr_Clear();
       return at::Tensor();
@@ -879,8 +896,10 @@ class HotKernel final : public c10::OperatorKernel {
     Py_INCREF(program);
     Py_INCREF(recorder);
     Py_DECREF(found);
+    const bool kept = program != Py_None && PyObject_HasAttr(program, config->name_call) &&
+                      PyObject_HasAttr(program, config->name_traceable);
     if (program != Py_None && inplace_) {  // the result is the written argument: nothing to make
-      table_.emplace(std::move(key), Entry{program, recorder, std::move(offset_positions), {}});
+      table_.emplace(std::move(key), Entry{program, recorder, std::move(offset_positions), {}, kept});
       return;
     }
     std::vector<Result> results;
@@ -898,17 +917,33 @@ class HotKernel final : public c10::OperatorKernel {
       if (!plain) break;
       PyObject* dtype_object = reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type()));
       Py_INCREF(dtype_object);
+      PyObject* shape = nullptr;
+      if (t.is_contiguous()) {
+        shape = PyTuple_New(t.dim());
+        for (int64_t d = 0; shape != nullptr && d < t.dim(); d++) {
+          PyObject* size = PyLong_FromLongLong(t.size(d));
+          if (size == nullptr) {
+            Py_CLEAR(shape);
+            break;
+          }
+          PyTuple_SET_ITEM(shape, d, size);
+        }
+        if (shape == nullptr) PyErr_Clear();  // the storage object reads the array's shape
+      }
       results.push_back(Result{t.scalar_type(), dtype_object, t.sizes().vec(),
                                static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size()),
-                               t.is_contiguous() ? std::vector<int64_t>() : t.strides().vec()});
+                               t.is_contiguous() ? std::vector<int64_t>() : t.strides().vec(), true, shape});
     }
     if (!plain) {
       Py_DECREF(program);
       Py_DECREF(recorder);
-      for (auto& r : results) Py_DECREF(r.dtype_object);
+      for (auto& r : results) {
+        Py_DECREF(r.dtype_object);
+        Py_XDECREF(r.shape);
+      }
       return;
     }
-    table_.emplace(std::move(key), Entry{program, recorder, std::move(offset_positions), std::move(results)});
+    table_.emplace(std::move(key), Entry{program, recorder, std::move(offset_positions), std::move(results), kept});
   }
 
   std::vector<at::Tensor> call_python(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) {
@@ -1235,6 +1270,8 @@ int torchpjrt_hot_configure(PyObject* storage_class, PyObject* array_type, PyObj
   c->name_last_call = PyUnicode_InternFromString("last_call");
   c->name_last_fill = PyUnicode_InternFromString("last_fill");
   c->name_replace = PyUnicode_InternFromString("replace");
+  c->name_call = PyUnicode_InternFromString("_call");
+  c->name_traceable = PyUnicode_InternFromString("traceable");
   config = c.release();
   return 0;
 }
