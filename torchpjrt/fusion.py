@@ -334,7 +334,8 @@ def _eval_shape(fn, treedef, leaves, sig):
 
 
 def _add_node(fn, runner, treedef, leaves, avals):
-    """Record fn on `leaves` into the pending graph: its outputs' Pendings, in order."""
+    """Record fn on `leaves` into the pending graph: its outputs' Pendings, in order. (The hot
+    path, csrc/hot_ops.cpp, calls it by name with record_keyed's arguments for a key it recorded.)"""
     with _lock:
         g = _graph
         task = _current_task()

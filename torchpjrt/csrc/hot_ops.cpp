@@ -63,6 +63,8 @@ struct Config {
   PyObject* name_last_fill = nullptr;
   PyObject* name_replace = nullptr;
   PyObject* name_call = nullptr;
+  PyObject* name_add_node = nullptr;
+  PyObject* name_args = nullptr;
   PyObject* name_traceable = nullptr;
   c10::Allocator* allocator = nullptr;  // the one PyTorch's Python backend gives its storages
 };
@@ -115,6 +117,11 @@ struct Entry {
   std::vector<Result> results;  // none for an in-place form
   // `program` is a kernel_cache.CachedKernel: its loaded executable (`_call`) is called directly
   bool kept = false;
+  // (traced function, argument treedef, result avals) from the recorder's cache once it has
+  // recorded this key, when the arguments and results are flat: later records call
+  // fusion._add_node with them, without record_keyed's frame (nullptr: through `recorder`)
+  mutable PyObject* node = nullptr;
+  mutable bool node_looked_up = false;
 };
 
 struct KeyHash {
@@ -722,9 +729,38 @@ class HotKernel final : public c10::OperatorKernel {
       Py_INCREF(dyn.items[i]);
       PyList_SET_ITEM(list, i, dyn.items[i]);
     }
-    PyObject* result = PyObject_CallOneArg(e.recorder, list);
+    PyObject* add_node = e.node != nullptr ? PyDict_GetItemWithError(config->records.first, config->name_add_node)
+                                           : nullptr;  // borrowed
+    PyObject* result = nullptr;
+    if (add_node != nullptr) {
+      PyObject* node_args[5] = {PyTuple_GET_ITEM(e.node, 0), e.program, PyTuple_GET_ITEM(e.node, 1), list,
+                                PyTuple_GET_ITEM(e.node, 2)};
+      PyObject* pendings = PyObject_Vectorcall(add_node, node_args, 5, nullptr);
+      // as record_keyed returns them
+      result = pendings != nullptr && PyList_CheckExact(pendings) ? PyList_AsTuple(pendings) : nullptr;
+      Py_XDECREF(pendings);
+    } else {
+      if (PyErr_Occurred()) PyErr_Clear();
+      result = PyObject_CallOneArg(e.recorder, list);
+      if (result != nullptr && !e.node_looked_up) look_up_node(e);
+    }
     Py_DECREF(list);
     return result;
+  }
+
+  // After a first record through `recorder` (functools.partial(record_keyed, avals_cache, key,
+  // program)): its cache entry (traced, treedef, flat_in, out_treedef, avals, flat_out) for the key.
+  static void look_up_node(const Entry& e) {
+    e.node_looked_up = true;
+    PyObject* args = PyObject_GetAttr(e.recorder, config->name_args);
+    PyObject* entry = nullptr;
+    if (args != nullptr && PyTuple_Check(args) && PyTuple_GET_SIZE(args) == 3 && PyDict_Check(PyTuple_GET_ITEM(args, 0)))
+      entry = PyDict_GetItemWithError(PyTuple_GET_ITEM(args, 0), PyTuple_GET_ITEM(args, 1));  // borrowed
+    if (entry != nullptr && PyTuple_Check(entry) && PyTuple_GET_SIZE(entry) == 6 &&
+        PyTuple_GET_ITEM(entry, 2) == Py_True && PyTuple_GET_ITEM(entry, 5) == Py_True)
+      e.node = PyTuple_Pack(3, PyTuple_GET_ITEM(entry, 0), PyTuple_GET_ITEM(entry, 1), PyTuple_GET_ITEM(entry, 4));
+    Py_XDECREF(args);
+    if (PyErr_Occurred()) PyErr_Clear();
   }
 
   // The program's results as new pjrt tensors in `out`; false when anything is not as the
@@ -1271,6 +1307,8 @@ int torchpjrt_hot_configure(PyObject* storage_class, PyObject* array_type, PyObj
   c->name_last_fill = PyUnicode_InternFromString("last_fill");
   c->name_replace = PyUnicode_InternFromString("replace");
   c->name_call = PyUnicode_InternFromString("_call");
+  c->name_add_node = PyUnicode_InternFromString("_add_node");
+  c->name_args = PyUnicode_InternFromString("args");
   c->name_traceable = PyUnicode_InternFromString("traceable");
   config = c.release();
   return 0;
