@@ -1167,21 +1167,8 @@ class FactoryKernel final : public c10::OperatorKernel {
     key.push_back(static_cast<int64_t>(t.scalar_type()));
     key.push_back(t.dim());
     for (int64_t s : t.sizes()) key.push_back(s);
-    if (kind_ == kFill) {
-      const c10::IValue& v = args[1];
-      if (v.isDouble()) {
-        key.push_back(kDynFloat);
-        key.push_back(bits_of(v.toDouble()));
-      } else if (v.isBool()) {
-        key.push_back(kBool);
-        key.push_back(v.toBool());
-      } else if (v.isInt()) {
-        key.push_back(kDynInt);
-        key.push_back(v.toInt());
-      } else {
-        return false;
-      }
-    }
+    // the number with its type (a bool, an int, a float's bits; complex: the Python kernel)
+    if (kind_ == kFill && (args[1].isNone() || !static_value(args[1], key))) return false;
     PyObject* py_storage = THPStorage_Wrap(t.storage());
     if (py_storage == nullptr) {
       PyErr_Clear();
