@@ -859,3 +859,43 @@ def test_views_in_list_arguments_are_keyed_by_their_geometry(mode):
         assert seq.cpu().tolist() == [[0, 0, 0, 0, 1, 2, 3]]
     finally:
         torchpjrt.set_eager_mode("strict")
+
+
+@needs_hot_path
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_integer_indexing_is_served_and_masks_go_to_the_python_kernel(mode):
+    """x[i] with integer index tensors (a MoE's token gather): served, views and None among the
+    indices keyed; masks (a data-dependent shape), uint8 masks (CPU's warning at every call),
+    host index tensors and indices that do not broadcast stay with the Python kernel."""
+    torchpjrt.set_eager_mode(mode)
+    try:
+        x = torch.randn(10, 6, 4, device=DEV)
+        xc = x.cpu()
+        i = torch.tensor([3, 1, 1, 9], device=DEV)
+        j = torch.tensor([[0], [5]], device=DEV)
+        cases = [lambda x, i, j: x[i], lambda x, i, j: x[:, j], lambda x, i, j: x[i, :, 2:3],
+                 lambda x, i, j: x[j, i[:2]], lambda x, i, j: x[i[1:3]], lambda x, i, j: x[..., i[:2]]]
+        for fn in cases:
+            fn(x, i, j)
+            out, n = served(lambda: fn(x, i, j))
+            assert n == 1
+            assert torch.equal(out.cpu(), fn(xc, i.cpu(), j.cpu()))
+        m = xc[:, 0, 0] > 0
+        for _ in range(2):
+            out, n = served(lambda: x[m.to(DEV)])
+            assert torch.equal(out.cpu(), xc[m])
+            out, n = served(lambda: x[i.cpu()])  # a host index tensor
+            assert n == 0 and torch.equal(out.cpu(), xc[i.cpu()])
+            with pytest.warns(UserWarning, match="uint8 is now deprecated"):
+                out = x[m.to(torch.uint8).to(DEV)]
+            assert torch.equal(out.cpu(), xc[m])
+            with pytest.raises(IndexError, match="shape mismatch"):
+                x[i, j[:, :1].expand(2, 3)]
+        out_of_range = torch.tensor([11], device=DEV)
+        x[out_of_range[:0]]
+        with pytest.raises(IndexError, match="out of bounds"):
+            x[out_of_range].cpu()
+        with pytest.raises(IndexError, match="out of bounds"):
+            x[out_of_range].cpu()
+    finally:
+        torchpjrt.set_eager_mode("strict")

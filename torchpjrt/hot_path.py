@@ -46,7 +46,8 @@ stash = threading.local()
 # schema argument types the C++ kernel can key or hand back to Python
 _TYPES = {"Tensor", "Optional[Tensor]", "number", "Optional[number]", "int", "Optional[int]", "List[int]",
           "Optional[List[int]]", "float", "Optional[float]", "bool", "Optional[bool]", "List[bool]", "str",
-          "Optional[str]", "Optional[ScalarType]", "ScalarType", "List[Tensor]", "List[number]"}
+          "Optional[str]", "Optional[ScalarType]", "ScalarType", "List[Tensor]", "List[number]",
+          "List[Optional[Tensor]]"}
 
 _library = None  # the helper, opened so that its calls keep the GIL (ctypes.PyDLL)
 
@@ -127,7 +128,8 @@ def start():
 def codes(op, lowering, sig, kinds, has_call_check, inplace=False) -> str | None:
     """The C++ kernel's per-argument codes for `op` (with `inplace`: an in-place form of the
     op `lowering` computes), or None when it does not serve it: 't' tensor, 'l' list of
-    tensors ('a': cat's, whose appends go to the Python kernel), 'n' traced number ('c', 'o': one CPU converts with overflow checks to the result's
+    tensors ('a': cat's, whose appends go to the Python kernel; 'x': index's integer indices or None),
+    'n' traced number ('c', 'o': one CPU converts with overflow checks to the result's
     type, or to the type it computes in), 'N' number the lowering wants static, 'f' traced list
     of numbers ('C', 'O' checked alike), 's' static argument, 'w' a tensor the op also writes
     (whole: its new value follows the results)."""
@@ -136,9 +138,14 @@ def codes(op, lowering, sig, kinds, has_call_check, inplace=False) -> str | None
     schema = op._schema
     returns = [str(r.type) for r in schema.returns]
     # cat is a producer of padded storages only as an append to a growing sequence, which the C++
-    # kernel leaves to the Python kernel (code 'a')
-    if (lowering.random or lowering.dynamic_shape or has_call_check or "device" in sig.names
-            or (op in padding.PRODUCERS and op != torch.ops.aten.cat.default) or op in CONSTANT_FILLS):
+    # kernel leaves to the Python kernel (code 'a'); index.Tensor only with masks (bool or uint8
+    # indices: a data-dependent shape, CPU's deprecation warning at every call), which it leaves
+    # to the Python kernel too (code 'x'): integer indices fix the result's shape, and the Python
+    # kernel's argument check (indices broadcast together) depends on nothing the key does not fix
+    indexing = op == torch.ops.aten.index.Tensor
+    if (lowering.random or (lowering.dynamic_shape and not indexing) or (has_call_check and not indexing)
+            or "device" in sig.names or (op in padding.PRODUCERS and op != torch.ops.aten.cat.default and not indexing)
+            or op in CONSTANT_FILLS):
         return None
     written = set(lowering.mutates)
     if written and (inplace or lowering.check is not None or any(
@@ -166,7 +173,7 @@ def codes(op, lowering, sig, kinds, has_call_check, inplace=False) -> str | None
         if kind == TENSOR:
             out.append("w" if arg.name in written else "t")
         elif kind == TENSOR_LIST:
-            out.append("a" if op == torch.ops.aten.cat.default else "l")
+            out.append("x" if indexing else "a" if op == torch.ops.aten.cat.default else "l")
         elif kind == SCALAR:
             out.append("N" if sig.names[i] in lowering.static else "n" if i not in checked else "o" if checked[i] else "c")
         elif kind == SCALAR_LIST:

@@ -424,7 +424,8 @@ std::vector<at::Tensor> call_python_kernel(const c10::OperatorHandle& op, c10::A
 class HotKernel final : public c10::OperatorKernel {
  public:
   // codes: per schema argument, 't' tensor, 'l' list of tensors ('a' cat's: two tensors that
-  // padding.py may append go to the Python kernel), 'n' number (traced unless
+  // padding.py may append go to the Python kernel; 'x' index's indices: integer tensors or None,
+  // a mask goes to the Python kernel), 'n' number (traced unless
   // None/bool/1), 'c' and 'o' such a number that CPU converts with overflow checks to the
   // result's type ('c') or to the type it computes in ('o': float32 for float16 and bfloat16),
   // 'N' number the lowering wants static, 'f' list of numbers (traced; 'C', 'O' checked alike),
@@ -553,6 +554,16 @@ class HotKernel final : public c10::OperatorKernel {
     return true;
   }
 
+  // A view: its geometry over its storage (strides, offset, the storage's shape), which fixes the
+  // strided read compiled into the program.
+  static void view_key(const at::Tensor& t, const Held& h, std::vector<int64_t>& key) {
+    key.push_back(kView);
+    for (int64_t s : t.strides()) key.push_back(s);
+    key.push_back(t.storage_offset());
+    key.push_back(static_cast<int64_t>(h.storage_shape.size()));
+    for (int64_t s : h.storage_shape) key.push_back(s);
+  }
+
   // A tensor that is all of its storage in another shape: the storage's shape in the key.
   static void reshaped_key(const Held& h, std::vector<int64_t>& key) {
     key.push_back(kReshaped);
@@ -624,11 +635,7 @@ class HotKernel final : public c10::OperatorKernel {
             reshaped_key(h, key);
           } else if (!h.whole) {
             // a view: its geometry over its storage fixes the strided read compiled into the program
-            key.push_back(kView);
-            for (int64_t s : t.strides()) key.push_back(s);
-            key.push_back(t.storage_offset());
-            key.push_back(static_cast<int64_t>(h.storage_shape.size()));
-            for (int64_t s : h.storage_shape) key.push_back(s);
+            view_key(t, h, key);
             views.push_back(View{dyn.size() - 1, -1, t.storage_offset(), t});
           }
           break;
@@ -657,11 +664,38 @@ class HotKernel final : public c10::OperatorKernel {
             if (h.reshaped) {
               reshaped_key(h, key);
             } else if (!h.whole) {  // a view (rotate_half's halves): as for a view argument
-              key.push_back(kView);
-              for (int64_t s : t.strides()) key.push_back(s);
-              key.push_back(t.storage_offset());
-              key.push_back(static_cast<int64_t>(h.storage_shape.size()));
-              for (int64_t s : h.storage_shape) key.push_back(s);
+              view_key(t, h, key);
+              views.push_back(View{dyn.size() - 1, static_cast<int>(j), t.storage_offset(), t});
+            }
+            Py_INCREF(h.array);
+            PyList_SET_ITEM(arrays, static_cast<Py_ssize_t>(j), h.array);
+          }
+          break;
+        }
+        case 'x': {  // index's indices: integer tensors (views keyed as above) or None; a mask goes to Python
+          if (!v.isList()) return false;
+          auto list = v.toListRef();
+          key.push_back(kList);
+          key.push_back(static_cast<int64_t>(list.size()));
+          PyObject* arrays = PyList_New(static_cast<Py_ssize_t>(list.size()));
+          if (!dyn.push(arrays)) return false;
+          for (size_t j = 0; j < list.size(); j++) {
+            const c10::IValue& item = list[j];
+            if (item.isNone() || (item.isTensor() && !item.toTensor().defined())) {
+              key.push_back(kNone);
+              Py_INCREF(Py_None);
+              PyList_SET_ITEM(arrays, static_cast<Py_ssize_t>(j), Py_None);
+              continue;
+            }
+            if (!item.isTensor()) return false;
+            const at::Tensor& t = item.toTensor();
+            if (t.scalar_type() == c10::ScalarType::Bool || t.scalar_type() == c10::ScalarType::Byte) return false;
+            Held h;
+            if (!tensor_key(t, h, key, recording)) return false;
+            if (h.reshaped) {
+              reshaped_key(h, key);
+            } else if (!h.whole) {
+              view_key(t, h, key);
               views.push_back(View{dyn.size() - 1, static_cast<int>(j), t.storage_offset(), t});
             }
             Py_INCREF(h.array);
