@@ -15,10 +15,11 @@ expert got, so every step meets new shapes. Each step draws a new batch. Every t
 a fresh process with an empty cache directory (a user's first run), in turn, on the same
 batches and weights; ratios are of medians over the steady part (the last half of the steps).
 
-With --interleaved ROUNDS, each pjrt target runs in one process next to torch CPU on the same
-weights and batches, after 15 steps of each: rounds of 5 steps alternate between the two, and
-the ratio is of the medians of the rounds. Drift of a shared machine then hits both alike (the
-fresh-process table compares processes run minutes apart).
+With --interleaved ROUNDS, the targets' fresh processes run ROUNDS times in turn (cpu, strict,
+fused, cpu, ...), each reporting the median of its steady steps; the table gives the median over
+the rounds and each round's ratio, so that a shared machine's drift hits every target alike.
+(Both models in one process, alternating rounds of steps, was tried and dropped: next to a CPU
+model the pjrt steps ran 20-40% slower than in a process of their own.)
 """
 
 import argparse
@@ -89,58 +90,27 @@ def worker(name, target, steps, batch, seq, experts):
     json.dump({"seconds": seconds, "compiles": per_step, "losses": losses}, sys.stdout)
 
 
-def interleaved_worker(name, target, rounds, batch, seq, experts):
-    """torch CPU and one pjrt target in this process, in alternating rounds of 5 steps: the medians
-    of their rounds' per-step milliseconds, as JSON on stdout."""
-    import copy
-
-    import torch
-    import torchpjrt
-
-    torchpjrt.set_eager_mode(target)
-    base = build(name, experts).train()
-    models = {"cpu": copy.deepcopy(base), "pjrt": copy.deepcopy(base).to("pjrt")}
-    opts = {d: torch.optim.AdamW(m.parameters(), lr=1e-3) for d, m in models.items()}
-    gen = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, base.config.vocab_size, (batch, seq), generator=gen) for _ in range(15 + 5 * rounds)]
-
-    def step(device, ids):
-        ids = ids.to(device)
-        loss = models[device](input_ids=ids, labels=ids).loss
-        loss.backward()
-        opts[device].step()
-        opts[device].zero_grad(set_to_none=True)
-        return loss.item()
-
-    for ids in batches[:15]:
-        for device in models:
-            step(device, ids)
-    times = {device: [] for device in models}
-    for r in range(rounds):
-        for device in models:
-            t0 = time.perf_counter()
-            for ids in batches[15 + 5 * r:20 + 5 * r]:
-                step(device, ids)
-            times[device].append((time.perf_counter() - t0) / 5 * 1e3)
-    json.dump({device: statistics.median(t) for device, t in times.items()}, sys.stdout)
-
-
 def run_interleaved(args):
+    """Each target's fresh process, ROUNDS times, in turn (cpu, strict, fused, cpu, ...): the median
+    over the rounds of each process's steady median, and the ratio to torch CPU's."""
+    steady = slice(args.steps // 2, None)
+    targets = args.targets.split(",")
+    if "cpu" not in targets:
+        targets.insert(0, "cpu")
     print(f"experts_implementation={args.experts}, batch {args.batch} x {args.seq} tokens, a new batch each step; "
-          f"{args.interleaved} rounds of 5 steps alternating with torch CPU in one process, medians")
-    print(f"{'model':10s}{'target':10s}{'cpu ms':>9s}{'pjrt ms':>9s}{'pjrt/cpu':>10s}")
+          f"{args.interleaved} rounds of a fresh process per target in turn, {args.steps} steps each; "
+          f"per process the median of steps {args.steps // 2 + 1}-{args.steps}, then the median over the rounds")
+    print(f"{'model':10s}{'target':14s}{'steady ms':>11s}{'vs cpu':>8s}   per round: ms (vs cpu)")
     for name in args.models.split(","):
-        for target in args.targets.split(","):
-            if target == "cpu":
-                continue
-            if target not in ("strict", "fused"):
-                raise SystemExit(f"--interleaved runs strict and fused, not {target!r}")
-            out = subprocess.run([sys.executable, __file__, "--interleaved-worker", name, target, str(args.interleaved),
-                                  str(args.batch), str(args.seq), args.experts], capture_output=True, text=True)
-            if out.returncode:
-                raise SystemExit(f"{name} on {target} failed:\n{out.stderr[-3000:]}")
-            r = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"{name:10s}{target:10s}{r['cpu']:9.1f}{r['pjrt']:9.1f}{r['pjrt'] / r['cpu']:9.2f}x", flush=True)
+        medians = {t: [] for t in targets}
+        for _ in range(args.interleaved):
+            for t in targets:
+                medians[t].append(statistics.median(run_target(name, t, args)["seconds"][steady]) * 1e3)
+        base = statistics.median(medians["cpu"])
+        for t in targets:
+            med = statistics.median(medians[t])
+            rounds = ", ".join(f"{m:.1f} ({m / c:.2f}x)" for m, c in zip(medians[t], medians["cpu"]))
+            print(f"{name:10s}{t:14s}{med:11.1f}{med / base:7.2f}x   {rounds}", flush=True)
 
 
 def run_target(name, target, args):
@@ -161,9 +131,6 @@ def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         name, target, steps, batch, seq, experts = sys.argv[2:8]
         return worker(name, target, int(steps), int(batch), int(seq), experts)
-    if len(sys.argv) > 1 and sys.argv[1] == "--interleaved-worker":
-        name, target, rounds, batch, seq, experts = sys.argv[2:8]
-        return interleaved_worker(name, target, int(rounds), int(batch), int(seq), experts)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--targets", default=",".join(TARGETS))
@@ -173,7 +140,7 @@ def main():
     parser.add_argument("--experts", default="grouped_mm", choices=("grouped_mm", "eager"),
                         help="transformers' experts implementation")
     parser.add_argument("--interleaved", type=int, default=0, metavar="ROUNDS",
-                        help="pjrt and torch CPU in one process, in alternating rounds (see above)")
+                        help="each target's fresh process ROUNDS times, in turn (see above)")
     args = parser.parse_args()
     if args.interleaved:
         return run_interleaved(args)
