@@ -104,8 +104,8 @@ struct Result {
   // false: a result the op leaves out (a backward op's gradient its output mask does not ask
   // for), None from the program and an undefined tensor from the op, as from the Python kernel
   bool defined = true;
-  // a row-major result's storage shape (a tuple of the sizes), given to the storage object so
-  // that it does not read the array's shape; nullptr for a laid-out result
+  // the shape of the result's storage (its array's) as the Python kernel's call left it, given
+  // to the storage object so that it does not read the array's shape; nullptr: it reads it
   PyObject* shape = nullptr;
 };
 
@@ -987,19 +987,7 @@ class HotKernel final : public c10::OperatorKernel {
       if (!plain) break;
       PyObject* dtype_object = reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type()));
       Py_INCREF(dtype_object);
-      PyObject* shape = nullptr;
-      if (t.is_contiguous()) {
-        shape = PyTuple_New(t.dim());
-        for (int64_t d = 0; shape != nullptr && d < t.dim(); d++) {
-          PyObject* size = PyLong_FromLongLong(t.size(d));
-          if (size == nullptr) {
-            Py_CLEAR(shape);
-            break;
-          }
-          PyTuple_SET_ITEM(shape, d, size);
-        }
-        if (shape == nullptr) PyErr_Clear();  // the storage object reads the array's shape
-      }
+      PyObject* shape = storage_shape(t);
       results.push_back(Result{t.scalar_type(), dtype_object, t.sizes().vec(),
                                static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size()),
                                t.is_contiguous() ? std::vector<int64_t>() : t.strides().vec(), true, shape});
@@ -1018,6 +1006,23 @@ class HotKernel final : public c10::OperatorKernel {
 
   std::vector<at::Tensor> call_python(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) {
     return call_python_kernel(op, args, python_kernel_, n_returns_, inplace_);
+  }
+
+  // The `shape` of a result's storage object (a new reference), or nullptr: the same program
+  // gives arrays of the same shape, which for a result laid out in memory order (or with a
+  // size-1 dimension out of place) is not the tensor's sizes.
+  static PyObject* storage_shape(const at::Tensor& t) {
+    PyObject* py_storage = THPStorage_Wrap(t.storage());
+    PyObject* st = py_storage != nullptr ? PyObject_GetAttr(py_storage, config->name_pjrt) : nullptr;
+    PyObject* shape = st != nullptr ? PyObject_GetAttr(st, config->name_shape) : nullptr;
+    Py_XDECREF(st);
+    Py_XDECREF(py_storage);
+    if (shape == nullptr || !PyTuple_CheckExact(shape)) {
+      PyErr_Clear();
+      Py_XDECREF(shape);
+      return nullptr;
+    }
+    return shape;
   }
 
   PyObject* name_;  // "add.Tensor": the stash must name this op
