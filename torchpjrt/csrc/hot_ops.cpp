@@ -1082,7 +1082,10 @@ class FactoryKernel final : public c10::OperatorKernel {
         if (keyed) {
           auto it = fills_.find(key);
           if (it != fills_.end()) {
-            PyObject* none = PyObject_CallMethodOneArg(st, config->name_replace, it->second);
+            PyObject* array = it->second;
+            Py_INCREF(array);  // another thread may drop the table's reference while replace() runs
+            PyObject* none = PyObject_CallMethodOneArg(st, config->name_replace, array);
+            Py_DECREF(array);
             Py_XDECREF(none);
             if (none != nullptr) {
               Py_DECREF(st);
