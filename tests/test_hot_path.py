@@ -899,3 +899,24 @@ def test_integer_indexing_is_served_and_masks_go_to_the_python_kernel(mode):
             x[out_of_range].cpu()
     finally:
         torchpjrt.set_eager_mode("strict")
+
+
+@needs_hot_path
+def test_a_served_result_keeps_the_shape_of_its_array():
+    """A result whose array is laid out otherwise than its sizes (a size-1 dimension out of place:
+    linalg.solve's backward with a vector right-hand side) gets its storage's shape from the
+    array, as the Python kernel's call made it: from the tensor's sizes, a later op read the
+    array in the wrong shape (linalg.solve_ex's backward then failed in dot_general)."""
+    torch.manual_seed(0)
+    A0 = torch.randn(5, 5) + 5 * torch.eye(5)
+    B0 = torch.randn(5)
+    fns = [lambda A, B: torch.linalg.solve(A, B), lambda A, B: torch.linalg.solve_ex(A, B)[0]]
+    for _ in range(2):
+        for fn in fns:
+            grads = []
+            for dev in ("cpu", DEV):
+                A = A0.clone().to(dev).requires_grad_()
+                B = B0.clone().to(dev).requires_grad_()
+                fn(A, B).sum().backward()
+                grads.append((A.grad.cpu(), B.grad.cpu()))
+            torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-4)
