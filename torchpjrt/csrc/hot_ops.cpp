@@ -554,21 +554,36 @@ class HotKernel final : public c10::OperatorKernel {
     return true;
   }
 
-  // A view: its geometry over its storage (strides, offset, the storage's shape), which fixes the
-  // strided read compiled into the program.
-  static void view_key(const at::Tensor& t, const Held& h, std::vector<int64_t>& key) {
+  // A keyed tensor that is not its whole storage: all of it in another shape (the storage's shape
+  // in the key), or a view, whose geometry over its storage (strides, offset, the storage's shape)
+  // fixes the strided read compiled into the program; a view is listed in `views` with where its
+  // array is among the program's arguments (`position`, and `element` of a list there, or -1).
+  static void geometry_key(const at::Tensor& t, const Held& h, std::vector<int64_t>& key, std::vector<View>& views,
+                           int position, int element) {
+    if (h.whole) return;
+    if (h.reshaped) {
+      key.push_back(kReshaped);
+      key.push_back(static_cast<int64_t>(h.storage_shape.size()));
+      for (int64_t s : h.storage_shape) key.push_back(s);
+      return;
+    }
     key.push_back(kView);
     for (int64_t s : t.strides()) key.push_back(s);
     key.push_back(t.storage_offset());
     key.push_back(static_cast<int64_t>(h.storage_shape.size()));
     for (int64_t s : h.storage_shape) key.push_back(s);
+    views.push_back(View{position, element, t.storage_offset(), t});
   }
 
-  // A tensor that is all of its storage in another shape: the storage's shape in the key.
-  static void reshaped_key(const Held& h, std::vector<int64_t>& key) {
-    key.push_back(kReshaped);
-    key.push_back(static_cast<int64_t>(h.storage_shape.size()));
-    for (int64_t s : h.storage_shape) key.push_back(s);
+  // Element j of a list argument (the last of `dyn`, a list): keyed as a tensor argument is, its
+  // array put in the list; false when it cannot be keyed.
+  static bool list_element(const at::Tensor& t, size_t j, Held& h, std::vector<int64_t>& key, Arguments& dyn,
+                           std::vector<View>& views, bool recording) {
+    if (!tensor_key(t, h, key, recording)) return false;
+    geometry_key(t, h, key, views, dyn.size() - 1, static_cast<int>(j));
+    Py_INCREF(h.array);
+    PyList_SET_ITEM(dyn.items[dyn.size() - 1], static_cast<Py_ssize_t>(j), h.array);
+    return true;
   }
 
   // Whether cat([x, y], dim) is one padding.py may turn into an append to a growing sequence
@@ -631,13 +646,7 @@ class HotKernel final : public c10::OperatorKernel {
           }
           Py_INCREF(h.array);
           if (!dyn.push(h.array)) return false;
-          if (h.reshaped) {
-            reshaped_key(h, key);
-          } else if (!h.whole) {
-            // a view: its geometry over its storage fixes the strided read compiled into the program
-            view_key(t, h, key);
-            views.push_back(View{dyn.size() - 1, -1, t.storage_offset(), t});
-          }
+          geometry_key(t, h, key, views, dyn.size() - 1, -1);
           break;
         }
         case 'l':
@@ -651,8 +660,8 @@ class HotKernel final : public c10::OperatorKernel {
           if (!dyn.push(arrays)) return false;
           for (size_t j = 0; j < list.size(); j++) {
             at::Tensor t = list[j];
-            Held h;
-            if (!t.defined() || !tensor_key(t, h, key, recording)) return false;
+            Held h;  // a view: rotate_half's halves
+            if (!t.defined() || !list_element(t, j, h, key, dyn, views, recording)) return false;
             if (inplace_ && i == 0) {
               if (!h.whole) return false;  // a target that is a view or in another shape: the Python kernel writes it
               // a tensor written twice: CPU applies the op to it twice, in turn (the Python kernel)
@@ -661,14 +670,6 @@ class HotKernel final : public c10::OperatorKernel {
               Py_INCREF(h.storage);
               if (!targets.push(h.storage)) return false;
             }
-            if (h.reshaped) {
-              reshaped_key(h, key);
-            } else if (!h.whole) {  // a view (rotate_half's halves): as for a view argument
-              view_key(t, h, key);
-              views.push_back(View{dyn.size() - 1, static_cast<int>(j), t.storage_offset(), t});
-            }
-            Py_INCREF(h.array);
-            PyList_SET_ITEM(arrays, static_cast<Py_ssize_t>(j), h.array);
           }
           break;
         }
@@ -691,15 +692,7 @@ class HotKernel final : public c10::OperatorKernel {
             const at::Tensor& t = item.toTensor();
             if (t.scalar_type() == c10::ScalarType::Bool || t.scalar_type() == c10::ScalarType::Byte) return false;
             Held h;
-            if (!tensor_key(t, h, key, recording)) return false;
-            if (h.reshaped) {
-              reshaped_key(h, key);
-            } else if (!h.whole) {
-              view_key(t, h, key);
-              views.push_back(View{dyn.size() - 1, static_cast<int>(j), t.storage_offset(), t});
-            }
-            Py_INCREF(h.array);
-            PyList_SET_ITEM(arrays, static_cast<Py_ssize_t>(j), h.array);
+            if (!list_element(t, j, h, key, dyn, views, recording)) return false;
           }
           break;
         }
