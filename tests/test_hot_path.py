@@ -280,10 +280,13 @@ def test_what_it_cannot_key_goes_to_the_python_kernel():
         cpu[1].add_(1.0)
         assert n == 0 and out is view
     torch.testing.assert_close(base.cpu(), cpu)
-    # a storage not written yet (empty()): the Python kernel materializes it
-    e = torch.empty(3, device="pjrt")
-    out, n = served(lambda: e + 1)
-    assert n == 0 and out.shape == (3,)
+    # a storage not written yet (empty()): materialized as the Python kernel's read does (zeros,
+    # one valid content), then served once its key is learned
+    for _ in range(2):
+        e = torch.empty(3, 5, device="pjrt")
+        out, n = served(lambda: e + 1)
+        assert torch.equal(out.cpu(), torch.ones(3, 5)) and e.untyped_storage()._pjrt.array is not None
+    assert n == 1
 
 
 @needs_hot_path
@@ -792,15 +795,18 @@ def test_factories_and_constant_fills_are_served_as_the_python_kernels_make_them
 def test_arange_of_an_end_or_a_start_and_end_is_one_kernel_call():
     """torch.arange(end) and arange(start, end) (position ids, masks: several a forward of a
     transformers model) run their own lowering, where ATen's composite kernels filled an empty
-    tensor through arange.start_out (a decomposition, resize_ and copy_: three Python kernels)."""
+    tensor through arange.start_out (a decomposition, resize_ and copy_: three Python kernels);
+    a repeated call is served from C++ (no Python kernel)."""
     cases = [((32,), {}), ((3, 32), {}), ((0.5, 7.2), {}), ((7.5,), {}), ((5,), {"dtype": torch.float16}),
              ((-4, 9), {"dtype": torch.int32}), ((0,), {})]
     for args, kwargs in cases:
-        torch.arange(*args, device=DEV, **kwargs)
         t, ops = python_kernel_calls(lambda: torch.arange(*args, device=DEV, **kwargs))
         want = torch.arange(*args, **kwargs)
         assert ops == [f"aten.arange.{'default' if len(args) == 1 else 'start'}"], (args, ops)
         assert t.dtype == want.dtype and torch.equal(t.cpu(), want), args
+        again, ops = python_kernel_calls(lambda: torch.arange(*args, device=DEV, **kwargs))
+        assert ops == [], (args, ops)
+        assert again.dtype == want.dtype and torch.equal(again.cpu(), want), args
     out = torch.empty(0, dtype=torch.int64, device=DEV)
     torch.arange(2, 6, out=out)
     assert torch.equal(out.cpu(), torch.arange(2, 6))
@@ -920,3 +926,105 @@ def test_a_served_result_keeps_the_shape_of_its_array():
                 fn(A, B).sum().backward()
                 grads.append((A.grad.cpu(), B.grad.cpu()))
             torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-4)
+
+
+@needs_hot_path
+def test_factories_without_tensor_arguments_hand_out_the_kept_result():
+    """arange, eye, tril_indices repeated with the same arguments: served from C++ as
+    new tensors over the result the Python kernel kept (storage.shared_result), each with a
+    storage and an address of its own, so writing one leaves the next call's alone; dtype=None
+    follows torch.set_default_dtype at each call (the kept float32 result was handed to a float64
+    call before)."""
+    makers = [lambda d, **k: torch.arange(6, device=d, **k), lambda d, **k: torch.arange(1.5, 4.0, 0.5, device=d, **k),
+              lambda d, **k: torch.eye(3, 4, device=d, **k), lambda d, **k: torch.tril_indices(4, 3, device=d),
+              lambda d, **k: torch.arange(5.0, device=d, **k)]
+    linspace = lambda d, **k: torch.linspace(-1, 1, 5, device=d, **k)  # noqa: E731 (its numbers are traced: not kept)
+    for make in makers:
+        make(DEV)
+        out, ops = python_kernel_calls(lambda: make(DEV))
+        want = make("cpu")
+        assert ops == [] and out.dtype == want.dtype and torch.equal(out.cpu(), want)
+        other = make(DEV)
+        assert other.untyped_storage().data_ptr() != out.untyped_storage().data_ptr()
+        out.add_(1)
+        assert torch.equal(make(DEV).cpu(), want) and torch.equal(other.cpu(), want)
+    make = makers[-1]
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        for maker in (make, linspace, makers[2]):
+            for _ in range(2):
+                out = maker(DEV)
+                assert out.dtype == torch.float64 and torch.equal(out.cpu(), maker("cpu"))
+    finally:
+        torch.set_default_dtype(before)
+    assert make(DEV).dtype == before
+    with pytest.raises(RuntimeError, match="inconsistent with step sign"):
+        torch.arange(-1, device=DEV)
+
+
+@needs_hot_path
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_index_put_is_served_and_keeps_cpus_results(mode):
+    """x[i] = v, index_put_ with accumulate (the backward of an integer gather: zeros, then
+    _index_put_impl_), into a whole storage (an uninitialized one too: torch.empty, which the
+    C++ kernel materializes as the Python kernel's read does): served after the first call and
+    equal to CPU; a view target, masks and host indices go to the Python kernel; out-of-range
+    indices still raise."""
+    torchpjrt.set_eager_mode(mode)
+    try:
+        i = torch.tensor([3, 1, 1, 4], device=DEV)
+        v = torch.randn(4, 3, device=DEV)
+        base = torch.randn(6, 3, device=DEV)
+
+        def put(dev, accumulate):
+            x = base.to(dev).clone()
+            x.index_put_((i.to(dev),), v.to(dev), accumulate=accumulate)
+            return x
+
+        for accumulate in (True, False):
+            put(DEV, accumulate)
+            out, n = served(lambda: put(DEV, accumulate))
+            assert n >= 2  # clone and index_put_
+            want = put("cpu", accumulate)
+            if accumulate:
+                torch.testing.assert_close(out.cpu(), want)
+            else:  # a repeated index: one of its values (CPU's order is not specified either)
+                rows = [0, 2, 3, 4, 5]
+                assert torch.equal(out.cpu()[rows], want[rows])
+        perm = torch.tensor([2, 0, 3, 1], device=DEV)
+
+        def inverse():
+            inv = torch.empty_like(perm)
+            inv[perm] = torch.arange(4, device=DEV)
+            return inv
+
+        inverse()
+        out, ops = python_kernel_calls(inverse)
+        assert ops == [] and torch.equal(out.cpu(), torch.argsort(perm.cpu()))
+        x = torch.randn(6, 3, device=DEV, requires_grad=True)
+        for _ in range(2):
+            x.grad = None
+            x[i].sum().backward()
+            assert torch.equal(x.grad.cpu(), torch.zeros(6, 3).index_put_((i.cpu(),), torch.ones(4, 3), True))
+        _, ops = python_kernel_calls(lambda: x[i].sum().backward())
+        assert "aten._index_put_impl_.default" not in ops and "aten.index_put_.default" not in ops
+        rows = torch.tensor([0, 5])
+        for dev in (DEV, "cpu"):
+            y = torch.zeros(6, 3, device=dev)
+            iv, vv = i.to(dev), v.to(dev)
+            for _ in range(2):
+                # a view target
+                _, ops = python_kernel_calls(lambda: y[:, 1].index_put_((iv,), vv[:, 0], accumulate=True))
+                assert ops == (["aten.index_put_.default"] if dev == DEV else [])
+                _, ops = python_kernel_calls(lambda: y.index_put_((rows,), vv[:2]))  # host indices
+                assert ops == (["aten.index_put_.default"] if dev == DEV else [])
+            if dev == DEV:
+                got = y.cpu()
+        torch.testing.assert_close(got, y)
+        bad = torch.tensor([6], device=DEV)
+        for _ in range(2):
+            with pytest.raises(IndexError, match="out of bounds"):
+                base.clone().index_put_((bad,), v[:1], accumulate=True).cpu()
+    finally:
+        torchpjrt.set_eager_mode("strict")

@@ -329,6 +329,8 @@ class LoweredKernel:
         # a factory (arange, eye, linspace, ...): its output is a new allocation
         self._factory = "device" in self.sig.names and self.n_inputs == self.sig.n
         self._device_pos = self.sig.names.index("device") if "device" in self.sig.names else None
+        # a factory's dtype=None is the default dtype at the call (torch.set_default_dtype)
+        self._default_dtype_pos = self.sig.names.index("dtype") if self._factory and "dtype" in self.sig.names else None
         self._call_check, self._signature_check = _ARGUMENT_CHECKS.get(op, (None, None))
         self._random, self._dynamic_shape = lowering.random, lowering.dynamic_shape  # read per call
         self._has_check = lowering.check is not None
@@ -401,6 +403,8 @@ class LoweredKernel:
                 dyn.append([x.item() if isinstance(x, torch.Tensor) else x for x in v])
             else:
                 key.append(_freeze(v))
+        if self._default_dtype_pos is not None and vals[self._default_dtype_pos] is None:
+            key.append(torch.get_default_dtype())
         target = None  # a `device=` naming another device than the inputs'
         if self._device_pos is not None:
             # a factory runs on the device it names; a *_like op with device= moves its result
@@ -425,6 +429,8 @@ class LoweredKernel:
                     not fusion._recording or storage.is_shared((self.op, key))):
                 # no inputs (arange, a factory): one value (fused mode records a new one as before)
                 outs = storage.shared_result((self.op, key), fn)
+                # the C++ kernel of such an op (hot_path.shares_result) hands the kept result out
+                hot_path.stash.last_shared = outs[0] if len(outs) == 1 and storage.is_shared((self.op, key)) else None
             elif on:
                 outs = self._run_on(on, fn, key, dyn, vals)
             elif self._dynamic_shape and self.lowering.has_dynamic_shape(vals):
@@ -1896,14 +1902,18 @@ def register():
         functional = make_functional_kernel(op, lowering)
         kernel = _registered(op, lowering, functional)
         sig = signature(op)
-        code = hot_path.codes(op, lowering, sig, _kinds(sig, lowering), _ARGUMENT_CHECKS.get(op, (None,))[0] is not None) \
-            if hot is not None else None
-        if code is None:
+        shares = hot is not None and hot_path.shares_result(op, lowering, sig)
+        writes_first = hot is not None and hot_path.writes_first_alone(op, lowering)
+        code = hot_path.codes(op, lowering, sig, _kinds(sig, lowering), _ARGUMENT_CHECKS.get(op, (None,))[0] is not None,
+                              inplace=writes_first) if hot is not None and not shares else None
+        if shares:
+            hot_path.register_shared(_qualname(op), kernel)
+        elif code is None:
             lib.impl(_qualname(op), kernel, "PrivateUse1")
         else:
             # the C++ kernel calls `kernel` for what it does not serve
-            hot_path.register(op, _qualname(op), code, kernel, check=lowering.check)
-            if "w" in code:
+            hot_path.register(op, _qualname(op), code, kernel, inplace=writes_first, check=lowering.check)
+            if "w" in code or writes_first:
                 functional.lowered.hot_writes = True
         for derived in derived_overloads(op):
             if _qualname(derived) in SPECIAL_KERNELS or _is_composite_implicit(derived):

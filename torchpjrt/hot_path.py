@@ -20,7 +20,9 @@ Factories and constant fills have C++ kernels of their own (FACTORIES): torch.em
 empty_strided of a dense row-major tensor on pjrt:0 make the same storage object storage.empty
 makes; zero_() and fill_(number) of a whole small storage give it the shared array the Python
 kernel gave the same shape, dtype and number (learned through `stash.last_fill`); empty_like runs
-PyTorch's composite kernel (so the C++ empty) unless a padded storage is alive.
+PyTorch's composite kernel (so the C++ empty) unless a padded storage is alive. Ops without tensor
+arguments (arange, eye, tril_indices: shares_result) wrap the result the Python kernel keeps for the
+same arguments (learned through `stash.last_shared`).
 
 It is registered when torchpjrt registers its kernels and the helper is already built (the
 first process on a machine builds it in the background and runs the Python kernels);
@@ -125,10 +127,25 @@ def start():
     return py
 
 
+# ops whose indices are integer tensors or None (code 'x'): a mask's data-dependent shape, a uint8
+# mask's deprecation warning (CPU's at every call) and host indices go to the Python kernel
+_INDEXING = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default,
+             torch.ops.aten._index_put_impl_.default}
+
+
+def writes_first_alone(op, lowering) -> bool:
+    """Whether `op`'s lowering writes its first argument and nothing else, the op returning that
+    argument (_index_put_impl_, embedding_renorm_): the C++ kernel serves it as an in-place form."""
+    first = op._schema.arguments[0]
+    return (tuple(lowering.mutates) == (first.name,) and first.alias_info is not None and first.alias_info.is_write
+            and str(first.type) == "Tensor")
+
+
 def codes(op, lowering, sig, kinds, has_call_check, inplace=False) -> str | None:
     """The C++ kernel's per-argument codes for `op` (with `inplace`: an in-place form of the
-    op `lowering` computes), or None when it does not serve it: 't' tensor, 'l' list of
-    tensors ('a': cat's, whose appends go to the Python kernel; 'x': index's integer indices or None),
+    op `lowering` computes, or an op that writes its first argument alone), or None when it does
+    not serve it: 't' tensor, 'l' list of
+    tensors ('a': cat's, whose appends go to the Python kernel; 'x': indices, integer or None),
     'n' traced number ('c', 'o': one CPU converts with overflow checks to the result's
     type, or to the type it computes in), 'N' number the lowering wants static, 'f' traced list
     of numbers ('C', 'O' checked alike), 's' static argument, 'w' a tensor the op also writes
@@ -142,13 +159,15 @@ def codes(op, lowering, sig, kinds, has_call_check, inplace=False) -> str | None
     # indices: a data-dependent shape, CPU's deprecation warning at every call), which it leaves
     # to the Python kernel too (code 'x'): integer indices fix the result's shape, and the Python
     # kernel's argument check (indices broadcast together) depends on nothing the key does not fix
-    indexing = op == torch.ops.aten.index.Tensor
+    indexing = op in _INDEXING
     if (lowering.random or (lowering.dynamic_shape and not indexing) or (has_call_check and not indexing)
             or "device" in sig.names or (op in padding.PRODUCERS and op != torch.ops.aten.cat.default and not indexing)
             or op in CONSTANT_FILLS):
         return None
     written = set(lowering.mutates)
-    if written and (inplace or lowering.check is not None or any(
+    if written and inplace and writes_first_alone(op, lowering):
+        pass  # its program's result is the first argument's new value, as an in-place form's
+    elif written and (inplace or lowering.check is not None or any(
             a.name in written and str(a.type) not in ("Tensor", "Optional[Tensor]") for a in schema.arguments)):
         # an op that also writes arguments: served for tensors it writes whole (batch norm's
         # running statistics, which native_batch_norm's schema does not even mark as written)
@@ -171,7 +190,7 @@ def codes(op, lowering, sig, kinds, has_call_check, inplace=False) -> str | None
         if str(arg.type) not in _TYPES and kind != SCALAR:
             return None
         if kind == TENSOR:
-            out.append("w" if arg.name in written else "t")
+            out.append("w" if arg.name in written and not inplace else "t")
         elif kind == TENSOR_LIST:
             out.append("x" if indexing else "a" if op == torch.ops.aten.cat.default else "l")
         elif kind == SCALAR:
@@ -207,6 +226,24 @@ def register_factory(qualname, python_kernel) -> None:
     the calls it does not serve."""
     kind, flag = FACTORIES[qualname]
     if _library.torchpjrt_hot_register_factory(qualname.encode(), kind, python_kernel, flag) != 0:
+        raise RuntimeError(f"torchpjrt: registering the hot kernel of {qualname} failed")
+
+
+def shares_result(op, lowering, sig) -> bool:
+    """Whether `op` makes one tensor without tensor arguments (arange, eye, linspace): its Python
+    kernel keeps the result of a small call whose arguments are all static (not linspace's traced
+    numbers) and hands it to every call with the same arguments (storage.shared_result), which the
+    C++ kernel then does."""
+    from .dispatch import TENSOR, TENSOR_LIST
+
+    returns = [str(r.type) for r in op._schema.returns]
+    return (not lowering.random and not lowering.dynamic_shape and "device" in sig.names and returns == ["Tensor"]
+            and not any(kind in (TENSOR, TENSOR_LIST) for kind in sig.kinds))
+
+
+def register_shared(qualname, python_kernel) -> None:
+    """Register the C++ kernel of an op that shares its result (shares_result)."""
+    if _library.torchpjrt_hot_register_factory(qualname.encode(), 5, python_kernel, None) != 0:
         raise RuntimeError(f"torchpjrt: registering the hot kernel of {qualname} failed")
 
 

@@ -61,7 +61,9 @@ struct Config {
   PyObject* name_dtype = nullptr;
   PyObject* name_last_call = nullptr;
   PyObject* name_last_fill = nullptr;
+  PyObject* name_last_shared = nullptr;
   PyObject* name_replace = nullptr;
+  PyObject* name_value = nullptr;
   PyObject* name_call = nullptr;
   PyObject* name_add_node = nullptr;
   PyObject* name_args = nullptr;
@@ -209,10 +211,17 @@ bool held(const at::Tensor& t, Held& h, bool recording) {
   PyObject* dtype = PyObject_GetAttr(h.storage, config->name_dtype);
   // a padded storage (padding.py) takes its op's padding rule, in the Python kernel
   PyObject* padding = PyObject_GetAttr(h.storage, config->name_padding);
+  bool typed = dtype == reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type()));
+  if (h.array == Py_None && typed && padding == Py_None) {
+    // an uninitialized storage (torch.empty): materialized as the Python kernel's read does
+    // (Storage.value: zeros, one valid content)
+    Py_DECREF(h.array);
+    h.array = PyObject_CallMethodNoArgs(h.storage, config->name_value);
+  }
   bool ok = h.array != nullptr && shape != nullptr && dtype != nullptr && padding == Py_None &&
             (reinterpret_cast<PyObject*>(Py_TYPE(h.array)) == config->array_type ||
              (recording && reinterpret_cast<PyObject*>(Py_TYPE(h.array)) == config->pending_type)) &&
-            dtype == reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type())) && PyTuple_Check(shape);
+            typed && PyTuple_Check(shape);
   if (ok) {
     Py_ssize_t n = PyTuple_GET_SIZE(shape);
     h.storage_shape.resize(n);
@@ -1041,7 +1050,9 @@ class HotKernel final : public c10::OperatorKernel {
 // program, so they are not counted against a flush-heavy region (`calls`, `budget`).
 class FactoryKernel final : public c10::OperatorKernel {
  public:
-  enum Kind { kEmpty = 0, kEmptyStrided = 1, kEmptyLike = 2, kFill = 3, kZero = 4 };
+  // kShared: an op without tensor arguments whose result the Python kernel keeps and hands to
+  // every call with the same arguments (storage.shared_result: arange, linspace, eye, ...)
+  enum Kind { kEmpty = 0, kEmptyStrided = 1, kEmptyLike = 2, kFill = 3, kZero = 4, kShared = 5 };
 
   // flag: (module dict, name): for the empty kinds storage's `_capacity` (a larger tensor goes to
   // the Python kernel, which checks it against the device), for empty_like padding's `live`
@@ -1070,7 +1081,18 @@ class FactoryKernel final : public c10::OperatorKernel {
     PyObject* st = nullptr;  // a fill's storage object
     bool keyed = false;
     if (kind_ != kEmptyLike && !python_path_wanted()) {
-      if (fill) {
+      if (kind_ == kShared) {
+        keyed = shared_key(args, key);
+        auto it = keyed ? shared_.find(key) : shared_.end();
+        if (it != shared_.end()) {
+          at::Tensor t = wrap_shared(it->second);
+          if (t.defined()) {
+            torch::jit::drop(*stack, n);
+            stack->emplace_back(std::move(t));
+            return;
+          }
+        }
+      } else if (fill) {
         keyed = fill_key(args, key, st);
         if (keyed) {
           auto it = fills_.find(key);
@@ -1099,13 +1121,20 @@ class FactoryKernel final : public c10::OperatorKernel {
         }
       }
     }
-    if (keyed && PyObject_SetAttr(config->stash, config->name_last_fill, Py_None) != 0) PyErr_Clear();
+    PyObject* learned_from = kind_ == kShared ? config->name_last_shared : config->name_last_fill;
+    if (keyed && PyObject_SetAttr(config->stash, learned_from, Py_None) != 0) PyErr_Clear();
     std::vector<at::Tensor> out;
     try {
       out = call_python_kernel(op, args, python_kernel_, 1, fill);
     } catch (...) {
       Py_XDECREF(st);
       throw;
+    }
+    if (kind_ == kShared) {
+      if (keyed && out.size() == 1) learn_shared(std::move(key), out[0]);
+      torch::jit::drop(*stack, n);
+      for (auto& t : out) stack->emplace_back(std::move(t));
+      return;
     }
     if (keyed) {
       learn_fill(std::move(key));
@@ -1257,12 +1286,81 @@ class FactoryKernel final : public c10::OperatorKernel {
     if (!inserted) Py_DECREF(array);
   }
 
+  // A shared result's key: every argument (numbers with their types, dtype, layout, pin_memory)
+  // and the default dtype (arange(5.0)'s dtype); a device other than pjrt:0 goes to the Python kernel.
+  static bool shared_key(c10::ArrayRef<c10::IValue> args, std::vector<int64_t>& key) {
+    key.push_back(static_cast<int64_t>(c10::typeMetaToScalarType(c10::get_default_dtype())));
+    for (const c10::IValue& v : args) {
+      if (v.isDevice()) {
+        c10::Device device = v.toDevice();
+        if (device.type() != c10::DeviceType::PrivateUse1 || device.index() > 0) return false;
+        key.push_back(kNone);  // pjrt, pjrt:0
+      } else if (!static_value(v, key)) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  struct Shared {
+    PyObject* array;  // the kept result (storage.shared_result's)
+    PyObject* shape;  // its shape, a tuple
+    c10::ScalarType dtype;
+    std::vector<int64_t> sizes;
+    int64_t nbytes;
+  };
+
+  // A new tensor over the kept array, as storage.wrap makes it; undefined on failure.
+  static at::Tensor wrap_shared(const Shared& e) {
+    PyObject* new_args[3] = {e.array, reinterpret_cast<PyObject*>(torch::getTHPDtype(e.dtype)), e.shape};
+    PyObject* st = PyObject_Vectorcall(config->storage_class, new_args, 3, nullptr);
+    if (st == nullptr) {
+      PyErr_Clear();
+      return at::Tensor();
+    }
+    return new_tensor(st, e.dtype, e.sizes, {}, e.nbytes);
+  }
+
+  // After the Python kernel's call: the result it kept (stash.last_shared, set only when kept),
+  // when `out` is a dense row-major tensor over exactly that array.
+  void learn_shared(std::vector<int64_t> key, const at::Tensor& out) {
+    PyObject* array = PyObject_GetAttr(config->stash, config->name_last_shared);
+    if (array == nullptr) {
+      PyErr_Clear();
+      return;
+    }
+    Held h;
+    bool ok = reinterpret_cast<PyObject*>(Py_TYPE(array)) == config->array_type && out.defined() &&
+              held(out, h, false) && h.whole && h.array == array;
+    PyObject* shape = ok ? PyObject_GetAttr(h.storage, config->name_shape) : nullptr;
+    if (shape == nullptr || !PyTuple_Check(shape)) {
+      PyErr_Clear();
+      Py_XDECREF(shape);
+      Py_DECREF(array);
+      return;
+    }
+    if (shared_.size() >= kFillsKept) {  // small arrays, but not without bound
+      for (auto& [k, e] : shared_) {
+        Py_DECREF(e.array);
+        Py_DECREF(e.shape);
+      }
+      shared_.clear();
+    }
+    Shared e{array, shape, out.scalar_type(), out.sizes().vec(), static_cast<int64_t>(out.storage().nbytes())};
+    auto [it, inserted] = shared_.emplace(std::move(key), e);
+    if (!inserted) {
+      Py_DECREF(array);
+      Py_DECREF(shape);
+    }
+  }
+
   static constexpr size_t kFillsKept = 256;
   Kind kind_;
   PyObject* python_kernel_;
   std::pair<PyObject*, PyObject*> flag_;
   std::array<bool, 64> known_dtypes_{};  // dtypes the Python kernel made an empty tensor of
   std::unordered_map<std::vector<int64_t>, PyObject*, KeyHash> fills_;  // touched with the GIL held
+  std::unordered_map<std::vector<int64_t>, Shared, KeyHash> shared_;    // likewise
 };
 
 }  // namespace
@@ -1327,7 +1425,9 @@ int torchpjrt_hot_configure(PyObject* storage_class, PyObject* array_type, PyObj
   c->name_dtype = PyUnicode_InternFromString("dtype");
   c->name_last_call = PyUnicode_InternFromString("last_call");
   c->name_last_fill = PyUnicode_InternFromString("last_fill");
+  c->name_last_shared = PyUnicode_InternFromString("last_shared");
   c->name_replace = PyUnicode_InternFromString("replace");
+  c->name_value = PyUnicode_InternFromString("value");
   c->name_call = PyUnicode_InternFromString("_call");
   c->name_add_node = PyUnicode_InternFromString("_add_node");
   c->name_args = PyUnicode_InternFromString("args");
@@ -1389,7 +1489,7 @@ int torchpjrt_hot_register_factory(const char* name, int kind, PyObject* python_
     if (dict == nullptr) return -1;
     Py_INCREF(attribute);
     flag_entry = {dict, attribute};
-  } else if (kind != FactoryKernel::kFill && kind != FactoryKernel::kZero) {
+  } else if (kind != FactoryKernel::kFill && kind != FactoryKernel::kZero && kind != FactoryKernel::kShared) {
     PyErr_SetString(PyExc_ValueError, "this factory kernel needs its flag");
     return -1;
   }
