@@ -232,6 +232,24 @@ def test_factory_values_match_cpu():
         assert_same(case("cpu"), case("pjrt"))
 
 
+def test_factories_follow_the_default_dtype_of_each_call():
+    """A factory's dtype=None is the default dtype at the call: after a float32 call, the same
+    arguments under set_default_dtype(float64) gave the kept float32 result (arange, linspace)."""
+    cases = [lambda d: torch.arange(5.0, device=d), lambda d: torch.arange(0.5, 3.0, device=d),
+             lambda d: torch.linspace(0, 1, 5, device=d), lambda d: torch.eye(2, device=d),
+             lambda d: torch.full((2,), 1.5, device=d)]
+    for case in cases:
+        assert case("pjrt").dtype == torch.float32
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        for case in cases:
+            for _ in range(2):
+                assert_same(case("cpu"), case("pjrt"))
+    finally:
+        torch.set_default_dtype(before)
+
+
 def test_programs_without_inputs_run_once_and_their_results_stay_apart(each_eager_mode):
     """`torch.arange(n)`, `torch.zeros`, `torch.eye` with static arguments give the same values
     every call: strict mode runs each program once and shares its small result. A write to one
