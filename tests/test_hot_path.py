@@ -855,12 +855,13 @@ def test_views_in_list_arguments_are_keyed_by_their_geometry(mode):
         torch._foreach_mul_([ac[0], bc], 2.0)
         assert n == 0
         assert torch.equal(a.cpu(), ac) and torch.equal(b.cpu(), bc)
-        # a sequence of one grown a token at a time: appended into a padded storage
+        # a sequence of one grown a token at a time: appended into a padded storage (the first
+        # append exact, served once learned; the later ones by the Python kernel)
         seq = torch.zeros(1, 3, dtype=torch.long, device=DEV)
         for step in range(4):
             tok = torch.full((1, 1), step, dtype=torch.long, device=DEV)
             seq, n = served(lambda: torch.cat([seq, tok], dim=-1))
-            assert n == 0
+            assert n == 0 or step == 0
         assert padding.storage_padding_of(seq) is not None
         assert seq.cpu().tolist() == [[0, 0, 0, 0, 1, 2, 3]]
     finally:
@@ -1026,5 +1027,47 @@ def test_index_put_is_served_and_keeps_cpus_results(mode):
         for _ in range(2):
             with pytest.raises(IndexError, match="out of bounds"):
                 base.clone().index_put_((bad,), v[:1], accumulate=True).cpu()
+    finally:
+        torchpjrt.set_eager_mode("strict")
+
+
+@needs_hot_path
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_cat_is_served_and_marks_first_appends_as_padding_does(mode, monkeypatch):
+    """cat([x, y]) along a dim whose leading dims are 1 (always so for dim 0) may start a growing
+    sequence (padding._appended): served, its result marked as a first append as the Python kernel
+    marks it; an append to a storage with a history of appends goes to the Python kernel, which
+    pads it. With padding off nothing is marked."""
+    from torchpjrt import padding
+
+    torchpjrt.set_eager_mode(mode)
+    try:
+        a = torch.randn(64, 64, device=DEV)
+        b = torch.randn(64, 64, device=DEV)
+        torch.cat([a, b])
+        out, n = served(lambda: torch.cat([a, b]))
+        assert n == 1 and out.untyped_storage()._pjrt.appended_along == 0
+        assert torch.equal(out.cpu(), torch.cat([a.cpu(), b.cpu()]))
+        _, n = served(lambda: torch.cat([out, b]))  # a second append: the Python kernel pads it
+        assert n == 0
+        for sequence in range(2):
+            x = torch.zeros(1, 3, dtype=torch.long, device=DEV)
+            for step in range(5):
+                token = torch.full((1, 1), step, dtype=torch.long, device=DEV)
+                x, n = served(lambda: torch.cat([x, token], dim=1))
+                st = x.untyped_storage()._pjrt
+                if step == 0:
+                    # the first sequence's first append teaches the key (unless an earlier test did)
+                    assert st.appended_along == 1 and st.padding is None and (n == 1 or sequence == 0)
+                else:
+                    assert n == 0 and st.padding is not None
+            assert x.cpu().tolist() == [[0, 0, 0, 0, 1, 2, 3, 4]]
+        monkeypatch.setattr(padding, "enabled", False)
+        out, n = served(lambda: torch.cat([a, b]))
+        assert n == 1 and out.untyped_storage()._pjrt.appended_along is None
+        torch.cat([out, b])
+        again, n = served(lambda: torch.cat([out, b]))
+        assert n == 1 and again.untyped_storage()._pjrt.padding is None
+        assert torch.equal(again.cpu(), torch.cat([a.cpu(), b.cpu(), b.cpu()]))
     finally:
         torchpjrt.set_eager_mode("strict")

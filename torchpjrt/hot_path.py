@@ -106,7 +106,7 @@ def start():
     if lib is None or path is None or not hasattr(lib, "torchpjrt_hot_register"):
         return None
     py = ctypes.PyDLL(path)
-    py.torchpjrt_hot_configure.argtypes = [ctypes.py_object] * 9
+    py.torchpjrt_hot_configure.argtypes = [ctypes.py_object] * 10
     py.torchpjrt_hot_configure.restype = ctypes.c_int
     py.torchpjrt_hot_register.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.py_object, ctypes.c_int, ctypes.c_int,
                                           ctypes.py_object]
@@ -118,7 +118,7 @@ def start():
     off_when = [(eager, "debug_enabled"), (placement, "multi"), (storage, "mesh_placements")]
     model = storage._create_empty((0,), torch.float32)
     py.torchpjrt_hot_configure(storage.Storage, ArrayImpl, stash, take_entry, off_when, model, np.int64,
-                               fusion.Pending, (fusion, "records_ops"))
+                               fusion.Pending, (fusion, "records_ops"), (padding, "enabled"))
     py.torchpjrt_hot_budget.argtypes = [ctypes.c_longlong]
     py.torchpjrt_hot_budget.restype = None
     _library = py
@@ -145,7 +145,8 @@ def codes(op, lowering, sig, kinds, has_call_check, inplace=False) -> str | None
     """The C++ kernel's per-argument codes for `op` (with `inplace`: an in-place form of the
     op `lowering` computes, or an op that writes its first argument alone), or None when it does
     not serve it: 't' tensor, 'l' list of
-    tensors ('a': cat's, whose appends go to the Python kernel; 'x': indices, integer or None),
+    tensors ('a': cat's, whose appends to a grown sequence go to the Python kernel; 'x': indices,
+    integer or None),
     'n' traced number ('c', 'o': one CPU converts with overflow checks to the result's
     type, or to the type it computes in), 'N' number the lowering wants static, 'f' traced list
     of numbers ('C', 'O' checked alike), 's' static argument, 'w' a tensor the op also writes
@@ -154,8 +155,9 @@ def codes(op, lowering, sig, kinds, has_call_check, inplace=False) -> str | None
 
     schema = op._schema
     returns = [str(r.type) for r in schema.returns]
-    # cat is a producer of padded storages only as an append to a growing sequence, which the C++
-    # kernel leaves to the Python kernel (code 'a'); index.Tensor only with masks (bool or uint8
+    # cat is a producer of padded storages only as an append to a growing sequence: the C++ kernel
+    # leaves an append to a storage with a history of appends to the Python kernel, and marks a
+    # first append's result as padding.py does (code 'a'); index.Tensor only with masks (bool or uint8
     # indices: a data-dependent shape, CPU's deprecation warning at every call), which it leaves
     # to the Python kernel too (code 'x'): integer indices fix the result's shape, and the Python
     # kernel's argument check (indices broadcast together) depends on nothing the key does not fix

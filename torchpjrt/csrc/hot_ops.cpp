@@ -50,6 +50,7 @@ struct Config {
   PyObject* array_type = nullptr;     // jax's concrete array type: anything else is not computed yet
   PyObject* pending_type = nullptr;   // fusion.Pending: a value of the graph fused mode records
   std::pair<PyObject*, PyObject*> records{nullptr, nullptr};  // (fusion's dict, "records_ops")
+  std::pair<PyObject*, PyObject*> appends{nullptr, nullptr};  // (padding's dict, "enabled"): cat's first appends marked
   PyObject* stash = nullptr;          // per thread, `last_call`: set by the Python kernel's call
   PyObject* take_entry = nullptr;     // (op name, view arguments) -> (program, offset forms) or None
   PyObject* int64_type = nullptr;     // numpy.int64: a view's offset as the Python kernel passes it
@@ -62,6 +63,7 @@ struct Config {
   PyObject* name_last_call = nullptr;
   PyObject* name_last_fill = nullptr;
   PyObject* name_last_shared = nullptr;
+  PyObject* name_appended_along = nullptr;
   PyObject* name_replace = nullptr;
   PyObject* name_value = nullptr;
   PyObject* name_call = nullptr;
@@ -432,8 +434,9 @@ std::vector<at::Tensor> call_python_kernel(const c10::OperatorHandle& op, c10::A
 
 class HotKernel final : public c10::OperatorKernel {
  public:
-  // codes: per schema argument, 't' tensor, 'l' list of tensors ('a' cat's: two tensors that
-  // padding.py may append go to the Python kernel; 'x' index's indices: integer tensors or None,
+  // codes: per schema argument, 't' tensor, 'l' list of tensors ('a' cat's: an append to a
+  // storage with a history of appends goes to the Python kernel, a first append's result is
+  // marked as padding.py marks it; 'x' index's indices: integer tensors or None,
   // a mask goes to the Python kernel), 'n' number (traced unless
   // None/bool/1), 'c' and 'o' such a number that CPU converts with overflow checks to the
   // result's type ('c') or to the type it computes in ('o': float32 for float16 and bfloat16),
@@ -467,14 +470,15 @@ class HotKernel final : public c10::OperatorKernel {
     // a checked op's program differs with the checks on or off (the Python kernel keys it so)
     bool checked = check_recorder_ != nullptr && is_set(checks_on_.first, checks_on_.second);
     if (check_recorder_ != nullptr) key.push_back(checked);
+    int64_t append_mark = -1;
     bool keyed = budget.load(std::memory_order_relaxed) != 0 && !python_path_wanted() &&
-                 make_key(args, key, dyn, targets, views, recording);
+                 make_key(args, key, dyn, targets, views, recording, append_mark);
     if (keyed) {
       auto it = table_.find(key);
       if (it != table_.end() && numbers_fit(args, it->second) && with_offsets(it->second, dyn, views)) {
         std::vector<at::Tensor> results;
         bool done = inplace_ ? run_inplace(it->second, dyn, targets, recording, checked)
-                             : run(it->second, dyn, targets, results, recording, checked);
+                             : run(it->second, dyn, targets, results, recording, checked, append_mark);
         if (done) {
           calls.fetch_add(1, std::memory_order_relaxed);
           if (budget.load(std::memory_order_relaxed) > 0) budget.fetch_sub(1, std::memory_order_relaxed);
@@ -599,17 +603,45 @@ class HotKernel final : public c10::OperatorKernel {
   // (padding._appended: every dimension of x before dim of size 1), which the Python kernel
   // decides: the same key can append or not, with the storage's history.
   static bool cat_may_append(const at::Tensor& x, const c10::IValue& dim_value) {
-    if (!x.defined() || x.dim() == 0 || !dim_value.isInt()) return true;
-    int64_t dim = dim_value.toInt();
-    if (dim < 0) dim += x.dim();
-    if (dim < 0 || dim >= x.dim()) return true;
+    const int64_t dim = cat_dim(x, dim_value);
+    if (dim < 0) return true;
     for (int64_t k = 0; k < dim; k++)
       if (x.size(k) != 1) return false;
     return true;
   }
 
+  // cat's dim over x, from 0; -1 when x or dim is not one cat accepts
+  static int64_t cat_dim(const at::Tensor& x, const c10::IValue& dim_value) {
+    if (!x.defined() || x.dim() == 0 || !dim_value.isInt()) return -1;
+    int64_t dim = dim_value.toInt();
+    if (dim < 0) dim += x.dim();
+    return dim >= 0 && dim < x.dim() ? dim : -1;
+  }
+
+  // For such a cat of tensors the C++ kernel can key, with padding on: false when x's storage has
+  // a history of appends (padding._appended may append to it: the Python kernel); else in
+  // `mark` the dimension padding._appended would record on the exact result as a first append
+  // (y of x's dtype and rank, not empty along it, every other size x's), or -1.
+  static bool first_append(const at::Tensor& x, const at::Tensor& y, const c10::IValue& dim_value, PyObject* x_storage,
+                           int64_t& mark) {
+    PyObject* along = PyObject_GetAttr(x_storage, config->name_appended_along);
+    if (along == nullptr) {
+      PyErr_Clear();
+      return false;
+    }
+    Py_DECREF(along);
+    if (along != Py_None) return false;
+    const int64_t d = cat_dim(x, dim_value);
+    bool marks = y.scalar_type() == x.scalar_type() && y.dim() == x.dim() && y.size(d) != 0;
+    for (int64_t k = 0; marks && k < x.dim(); k++) marks = k == d || x.size(k) == y.size(k);
+    mark = marks ? d : -1;
+    return true;
+  }
+
+  // `append_mark`: for a cat padding.py would record as a first append, the dimension its result
+  // is marked with (Storage.appended_along); else left -1.
   bool make_key(c10::ArrayRef<c10::IValue> args, std::vector<int64_t>& key, Arguments& dyn, Arguments& targets,
-                std::vector<View>& views, bool recording) {
+                std::vector<View>& views, bool recording, int64_t& append_mark) {
     for (size_t i = 0; i < codes_.size(); i++) {
       const c10::IValue& v = args[i];
       switch (codes_[i]) {
@@ -662,7 +694,11 @@ class HotKernel final : public c10::OperatorKernel {
         case 'a': {  // views keyed by their geometry as arguments of their own are; 'a': cat's list
           if (!v.isTensorList()) return false;
           auto list = v.toTensorList();
-          if (codes_[i] == 'a' && list.size() == 2 && cat_may_append(list.get(0), args[i + 1])) return false;
+          // with padding on, a cat that may append: keyed unless x has a history of appends (the
+          // Python kernel), its result marked as padding._appended marks a first append
+          const bool may_append = codes_[i] == 'a' && list.size() == 2 && cat_may_append(list.get(0), args[i + 1]);
+          if (may_append && (config->appends.first == nullptr || cat_dim(list.get(0), args[i + 1]) < 0)) return false;
+          const bool padding_on = may_append && is_set(config->appends.first, config->appends.second);
           key.push_back(kList);
           key.push_back(static_cast<int64_t>(list.size()));
           PyObject* arrays = PyList_New(static_cast<Py_ssize_t>(list.size()));
@@ -671,6 +707,7 @@ class HotKernel final : public c10::OperatorKernel {
             at::Tensor t = list[j];
             Held h;  // a view: rotate_half's halves
             if (!t.defined() || !list_element(t, j, h, key, dyn, views, recording)) return false;
+            if (padding_on && j == 0 && !first_append(t, list.get(1), args[i + 1], h.storage, append_mark)) return false;
             if (inplace_ && i == 0) {
               if (!h.whole) return false;  // a target that is a view or in another shape: the Python kernel writes it
               // a tensor written twice: CPU applies the op to it twice, in turn (the Python kernel)
@@ -802,7 +839,7 @@ class HotKernel final : public c10::OperatorKernel {
   // The program's results as new pjrt tensors in `out`; false when anything is not as the
   // Python kernel left it (the Python kernel then runs the call and says why).
   bool run(const Entry& e, Arguments& dyn, Arguments& written, std::vector<at::Tensor>& out, bool recording,
-           bool checked) {
+           bool checked, int64_t append_mark) {
     PyObject* result = call(e, dyn, recording);
     if (result == nullptr) {
       PyErr_Clear();
@@ -827,7 +864,7 @@ class HotKernel final : public c10::OperatorKernel {
         out.push_back(at::Tensor());
         continue;
       }
-      at::Tensor t = wrap(item, e.results[i], recording);
+      at::Tensor t = wrap(item, e.results[i], recording, i == 0 ? append_mark : -1);
       ok = t.defined();
       out.push_back(std::move(t));
     }
@@ -853,12 +890,17 @@ class HotKernel final : public c10::OperatorKernel {
   }
 
   // `array` (a recorded value while recording) as a new pjrt tensor (storage.wrap), or an
-  // undefined tensor.
-  static at::Tensor wrap(PyObject* array, const Result& r, bool recording) {
+  // undefined tensor; `appended_along` >= 0: its storage marked as a first append's (cat).
+  static at::Tensor wrap(PyObject* array, const Result& r, bool recording, int64_t appended_along = -1) {
     if (reinterpret_cast<PyObject*>(Py_TYPE(array)) != (recording ? config->pending_type : config->array_type))
       return at::Tensor();
     PyObject* new_args[3] = {array, r.dtype_object, r.shape};
     PyObject* st = PyObject_Vectorcall(config->storage_class, new_args, r.shape != nullptr ? 3 : 2, nullptr);
+    if (st != nullptr && appended_along >= 0) {
+      PyObject* along = PyLong_FromLongLong(appended_along);
+      if (along == nullptr || PyObject_SetAttr(st, config->name_appended_along, along) != 0) Py_CLEAR(st);
+      Py_XDECREF(along);
+    }
     if (st == nullptr) {
       PyErr_Clear();
       return at::Tensor();
@@ -1371,11 +1413,12 @@ extern "C" {
 // (module, attribute name) pairs, any of them true sends every call to the Python kernel;
 // model: a pjrt tensor as the Python backend makes them (its storage's allocator is taken);
 // int64_type, pending_type: see Config; records: (module, attribute name), true while fused
-// mode records ops (served by recording them).
+// mode records ops (served by recording them); appends: (module, attribute name), true while
+// padding.py marks cat's first appends.
 // Returns 0, or -1 with a Python error set.
 int torchpjrt_hot_configure(PyObject* storage_class, PyObject* array_type, PyObject* stash,
                             PyObject* take_entry, PyObject* off_when, PyObject* model, PyObject* int64_type,
-                            PyObject* pending_type, PyObject* records) {
+                            PyObject* pending_type, PyObject* records, PyObject* appends) {
   if (!THPVariable_Check(model)) {
     PyErr_SetString(PyExc_TypeError, "model must be a tensor");
     return -1;
@@ -1390,14 +1433,14 @@ int torchpjrt_hot_configure(PyObject* storage_class, PyObject* array_type, PyObj
   c->pending_type = pending_type;
   Py_INCREF(int64_type);
   Py_INCREF(pending_type);
-  {
+  for (auto [flag, into] : {std::pair{records, &c->records}, std::pair{appends, &c->appends}}) {
     PyObject* module = nullptr;
     PyObject* name = nullptr;
-    if (!PyArg_ParseTuple(records, "OU", &module, &name)) return -1;
+    if (!PyArg_ParseTuple(flag, "OU", &module, &name)) return -1;
     PyObject* dict = PyObject_GenericGetDict(module, nullptr);
     if (dict == nullptr) return -1;
     Py_INCREF(name);
-    c->records = {dict, name};
+    *into = {dict, name};
   }
   for (PyObject* o : {storage_class, array_type, stash, take_entry}) Py_INCREF(o);
   PyObject* seq = PySequence_Fast(off_when, "off_when must be a sequence");
@@ -1426,6 +1469,7 @@ int torchpjrt_hot_configure(PyObject* storage_class, PyObject* array_type, PyObj
   c->name_last_call = PyUnicode_InternFromString("last_call");
   c->name_last_fill = PyUnicode_InternFromString("last_fill");
   c->name_last_shared = PyUnicode_InternFromString("last_shared");
+  c->name_appended_along = PyUnicode_InternFromString("appended_along");
   c->name_replace = PyUnicode_InternFromString("replace");
   c->name_value = PyUnicode_InternFromString("value");
   c->name_call = PyUnicode_InternFromString("_call");
