@@ -146,7 +146,7 @@ def test_a_whole_storage_in_another_shape_is_served_alone_and_in_lists():
     """A tensor that is all of its storage in another shape (a Linear's bias gradient: the
     storage of `sum(0, keepdim=True)`, viewed flat) is read as a reshape: served as an argument
     and inside a foreach op's list (an optimizer step's grads), not only by the Python kernel.
-    As an in-place target it stays the Python kernel's."""
+    As an in-place target it is written whole, the storage taking the tensor's shape."""
     flat = torch.randn(1, 8, device="pjrt").view(8)
     grid = torch.randn(4, 6, device="pjrt").view(2, 12)
     states = [torch.randn(8, device="pjrt"), torch.randn(2, 12, device="pjrt")]
@@ -163,10 +163,14 @@ def test_a_whole_storage_in_another_shape_is_served_alone_and_in_lists():
         assert n == 1 or round == 0
         for s, c in zip(states, cpu_states):
             torch.testing.assert_close(s.cpu(), c)
-        _, n = served(lambda: flat.mul_(0.5))
-        cpu_flat.mul_(0.5)
-        assert n == 0
-        torch.testing.assert_close(flat.cpu(), cpu_flat)
+    for round in range(3):
+        target = torch.randn(1, 8, device="pjrt").view(8)
+        cpu_target = target.cpu()
+        _, n = served(lambda: target.mul_(0.5))
+        cpu_target.mul_(0.5)
+        assert n == 1 or round == 0
+        assert target.untyped_storage()._pjrt.shape == (8,)
+        torch.testing.assert_close(target.cpu(), cpu_target)
 
 
 @needs_hot_path
@@ -1069,5 +1073,34 @@ def test_cat_is_served_and_marks_first_appends_as_padding_does(mode, monkeypatch
         again, n = served(lambda: torch.cat([out, b]))
         assert n == 1 and again.untyped_storage()._pjrt.padding is None
         assert torch.equal(again.cpu(), torch.cat([a.cpu(), b.cpu(), b.cpu()]))
+    finally:
+        torchpjrt.set_eager_mode("strict")
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_an_inplace_op_on_a_reshaped_tensor_writes_the_whole_storage(mode):
+    """x.view(...).add_(y) over all of a storage (attention's mask: a (B*H, L, L) bias viewed as
+    (B, H, L, L)): the storage takes the tensor's shape (its elements in order are the same), so
+    the write needs no second program and the hot path serves it; every tensor of the storage
+    reads the new values, as on CPU."""
+    torchpjrt.set_eager_mode(mode)
+    try:
+        y = torch.randn(3, 4, device=DEV)
+        for _ in range(3):
+            base = torch.randn(6, 3, 4, device=DEV)
+            want = base.cpu()
+            view = base.view(2, 3, 3, 4)
+            before = hot_path.calls()
+            view.add_(y)
+            n = hot_path.calls() - before
+            want.view(2, 3, 3, 4).add_(y.cpu())
+            assert torch.equal(view.cpu(), want.view(2, 3, 3, 4)) and torch.equal(base.cpu(), want)
+            assert torch.equal(base[1:3].cpu(), want[1:3]) and torch.equal(base.transpose(0, 2).cpu(), want.transpose(0, 2))
+            assert tuple(base.untyped_storage()._pjrt.shape) == (2, 3, 3, 4)
+        if _active():
+            assert n == 1
+        flat = torch.zeros(12, device=DEV)
+        flat.view(3, 4).mul_(2).add_(1)
+        assert torch.equal(flat.cpu(), torch.ones(12))
     finally:
         torchpjrt.set_eager_mode("strict")

@@ -258,8 +258,11 @@ def write(t: torch.Tensor, value, allow_overlap=False) -> None:
     shape = tuple(t.shape)
     if tuple(value.shape) != shape:
         value = _broadcast(value, shape)
-    if t.dtype is st.dtype and shape == st.shape and t.storage_offset() == 0 and t.is_contiguous():
-        # the whole storage (every in-place op on a plain tensor, each of a foreach op's tensors)
+    if t.dtype is st.dtype and t.storage_offset() == 0 and t.is_contiguous() and (shape == st.shape or (
+            st.padding is None and not mesh_placements and math.prod(shape) == st.numel)):
+        # the whole storage (every in-place op on a plain tensor, each of a foreach op's tensors);
+        # all of it in another shape (an in-place op on a reshaped tensor: attention's mask) too,
+        # the storage taking that shape: its elements in order are the same either way
         st.replace(_keep_mesh_placement(st.array, value) if mesh_placements else value)
         return
     if t.numel() == 0:

@@ -681,7 +681,9 @@ class HotKernel final : public c10::OperatorKernel {
           Held h;
           if (!tensor_key(t, h, key, recording)) return false;
           if (inplace_ && i == 0) {
-            if (!h.whole) return false;  // a view target: the Python kernel scatters into its storage
+            // a view target: the Python kernel scatters into its storage; all of it in another
+            // shape is written whole (storage.write: the storage takes the tensor's shape)
+            if (!h.whole && !h.reshaped) return false;
             Py_INCREF(h.storage);
             if (!targets.push(h.storage)) return false;
           }
@@ -709,7 +711,7 @@ class HotKernel final : public c10::OperatorKernel {
             if (!t.defined() || !list_element(t, j, h, key, dyn, views, recording)) return false;
             if (padding_on && j == 0 && !first_append(t, list.get(1), args[i + 1], h.storage, append_mark)) return false;
             if (inplace_ && i == 0) {
-              if (!h.whole) return false;  // a target that is a view or in another shape: the Python kernel writes it
+              if (!h.whole && !h.reshaped) return false;  // a view target: the Python kernel writes it
               // a tensor written twice: CPU applies the op to it twice, in turn (the Python kernel)
               for (PyObject* seen : targets.items)
                 if (seen == h.storage) return false;
