@@ -804,12 +804,13 @@ def test_arange_of_an_end_or_a_start_and_end_is_one_kernel_call():
     cases = [((32,), {}), ((3, 32), {}), ((0.5, 7.2), {}), ((7.5,), {}), ((5,), {"dtype": torch.float16}),
              ((-4, 9), {"dtype": torch.int32}), ((0,), {})]
     for args, kwargs in cases:
+        name = f"aten.arange.{'default' if len(args) == 1 else 'start'}"
         t, ops = python_kernel_calls(lambda: torch.arange(*args, device=DEV, **kwargs))
         want = torch.arange(*args, **kwargs)
-        assert ops == [f"aten.arange.{'default' if len(args) == 1 else 'start'}"], (args, ops)
+        assert ops in ([name], []), (args, ops)  # none when an earlier call taught the hot path the key
         assert t.dtype == want.dtype and torch.equal(t.cpu(), want), args
         again, ops = python_kernel_calls(lambda: torch.arange(*args, device=DEV, **kwargs))
-        assert ops == [], (args, ops)
+        assert ops == ([] if _active() else [name]), (args, ops)
         assert again.dtype == want.dtype and torch.equal(again.cpu(), want), args
     out = torch.empty(0, dtype=torch.int64, device=DEV)
     torch.arange(2, 6, out=out)
