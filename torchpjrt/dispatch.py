@@ -1907,7 +1907,7 @@ def register():
         code = hot_path.codes(op, lowering, sig, _kinds(sig, lowering), _ARGUMENT_CHECKS.get(op, (None,))[0] is not None,
                               inplace=writes_first) if hot is not None and not shares else None
         if shares:
-            hot_path.register_shared(_qualname(op), kernel)
+            hot_path.register_factory(_qualname(op), kernel, hot_path.SHARED_RESULT)
         elif code is None:
             lib.impl(_qualname(op), kernel, "PrivateUse1")
         else:

@@ -223,10 +223,14 @@ FACTORIES = {"empty.memory_format": (0, (storage, "_capacity")), "empty_strided"
              "empty_like": (2, (padding, "live")), "fill_.Scalar": (3, None), "zero_": (4, None)}
 
 
-def register_factory(qualname, python_kernel) -> None:
-    """Register the C++ kernel of a factory or constant fill (FACTORIES), with `python_kernel` for
-    the calls it does not serve."""
-    kind, flag = FACTORIES[qualname]
+# FactoryKernel's kind for an op that shares its result (shares_result), with no flag to watch
+SHARED_RESULT = (5, None)
+
+
+def register_factory(qualname, python_kernel, kind_and_flag=None) -> None:
+    """Register the C++ kernel of a factory or constant fill (FACTORIES; or of `kind_and_flag`,
+    SHARED_RESULT), with `python_kernel` for the calls it does not serve."""
+    kind, flag = kind_and_flag or FACTORIES[qualname]
     if _library.torchpjrt_hot_register_factory(qualname.encode(), kind, python_kernel, flag) != 0:
         raise RuntimeError(f"torchpjrt: registering the hot kernel of {qualname} failed")
 
@@ -241,12 +245,6 @@ def shares_result(op, lowering, sig) -> bool:
     returns = [str(r.type) for r in op._schema.returns]
     return (not lowering.random and not lowering.dynamic_shape and "device" in sig.names and returns == ["Tensor"]
             and not any(kind in (TENSOR, TENSOR_LIST) for kind in sig.kinds))
-
-
-def register_shared(qualname, python_kernel) -> None:
-    """Register the C++ kernel of an op that shares its result (shares_result)."""
-    if _library.torchpjrt_hot_register_factory(qualname.encode(), 5, python_kernel, None) != 0:
-        raise RuntimeError(f"torchpjrt: registering the hot kernel of {qualname} failed")
 
 
 def calls() -> int:

@@ -279,6 +279,42 @@ at::Tensor new_tensor(PyObject* st, c10::ScalarType dtype, c10::IntArrayRef size
   return t;
 }
 
+// `array` (a recorded value while recording) as a new pjrt tensor (storage.wrap), or an
+// undefined tensor; `appended_along` >= 0: its storage marked as a first append's (cat).
+at::Tensor wrap(PyObject* array, const Result& r, bool recording, int64_t appended_along = -1) {
+  if (reinterpret_cast<PyObject*>(Py_TYPE(array)) != (recording ? config->pending_type : config->array_type))
+    return at::Tensor();
+  PyObject* new_args[3] = {array, r.dtype_object, r.shape};
+  PyObject* st = PyObject_Vectorcall(config->storage_class, new_args, r.shape != nullptr ? 3 : 2, nullptr);
+  if (st != nullptr && appended_along >= 0) {
+    PyObject* along = PyLong_FromLongLong(appended_along);
+    if (along == nullptr || PyObject_SetAttr(st, config->name_appended_along, along) != 0) Py_CLEAR(st);
+    Py_XDECREF(along);
+  }
+  if (st == nullptr) {
+    PyErr_Clear();
+    return at::Tensor();
+  }
+  return new_tensor(st, r.dtype, r.sizes, r.strides, r.nbytes);
+}
+
+// The `shape` of a result's storage object (a new reference), or nullptr: the same program
+// gives arrays of the same shape, which for a result laid out in memory order (or with a
+// size-1 dimension out of place) is not the tensor's sizes.
+PyObject* storage_shape(const at::Tensor& t) {
+  PyObject* py_storage = THPStorage_Wrap(t.storage());
+  PyObject* st = py_storage != nullptr ? PyObject_GetAttr(py_storage, config->name_pjrt) : nullptr;
+  PyObject* shape = st != nullptr ? PyObject_GetAttr(st, config->name_shape) : nullptr;
+  Py_XDECREF(st);
+  Py_XDECREF(py_storage);
+  if (shape == nullptr || !PyTuple_CheckExact(shape)) {
+    PyErr_Clear();
+    Py_XDECREF(shape);
+    return nullptr;
+  }
+  return shape;
+}
+
 // A number argument the Python kernel treats as static when it is None, a bool or the int 1
 // (dispatch.scalar_is_static; for a number wrapped as a tensor, `x + 1.0`, the float 1.0 too:
 // LoweredKernel._odd_tensor_arg), traced otherwise.
@@ -588,6 +624,19 @@ class HotKernel final : public c10::OperatorKernel {
     views.push_back(View{position, element, t.storage_offset(), t});
   }
 
+  // A list argument of `n` items: its length in the key, and a new list (borrowed: the last of
+  // `dyn`) for their values; nullptr when it cannot be made.
+  static PyObject* list_argument(size_t n, std::vector<int64_t>& key, Arguments& dyn) {
+    key.push_back(kList);
+    key.push_back(static_cast<int64_t>(n));
+    PyObject* list = PyList_New(static_cast<Py_ssize_t>(n));
+    if (!dyn.push(list)) {
+      PyErr_Clear();
+      return nullptr;
+    }
+    return list;
+  }
+
   // Element j of a list argument (the last of `dyn`, a list): keyed as a tensor argument is, its
   // array put in the list; false when it cannot be keyed.
   static bool list_element(const at::Tensor& t, size_t j, Held& h, std::vector<int64_t>& key, Arguments& dyn,
@@ -701,10 +750,7 @@ class HotKernel final : public c10::OperatorKernel {
           const bool may_append = codes_[i] == 'a' && list.size() == 2 && cat_may_append(list.get(0), args[i + 1]);
           if (may_append && (config->appends.first == nullptr || cat_dim(list.get(0), args[i + 1]) < 0)) return false;
           const bool padding_on = may_append && is_set(config->appends.first, config->appends.second);
-          key.push_back(kList);
-          key.push_back(static_cast<int64_t>(list.size()));
-          PyObject* arrays = PyList_New(static_cast<Py_ssize_t>(list.size()));
-          if (!dyn.push(arrays)) return false;
+          if (list_argument(list.size(), key, dyn) == nullptr) return false;  // list_element fills it
           for (size_t j = 0; j < list.size(); j++) {
             at::Tensor t = list[j];
             Held h;  // a view: rotate_half's halves
@@ -724,10 +770,8 @@ class HotKernel final : public c10::OperatorKernel {
         case 'x': {  // index's indices: integer tensors (views keyed as above) or None; a mask goes to Python
           if (!v.isList()) return false;
           auto list = v.toListRef();
-          key.push_back(kList);
-          key.push_back(static_cast<int64_t>(list.size()));
-          PyObject* arrays = PyList_New(static_cast<Py_ssize_t>(list.size()));
-          if (!dyn.push(arrays)) return false;
+          PyObject* arrays = list_argument(list.size(), key, dyn);
+          if (arrays == nullptr) return false;
           for (size_t j = 0; j < list.size(); j++) {
             const c10::IValue& item = list[j];
             if (item.isNone() || (item.isTensor() && !item.toTensor().defined())) {
@@ -749,10 +793,8 @@ class HotKernel final : public c10::OperatorKernel {
         case 'O': {  // numbers, traced: their types in the key (as the Python kernel keys them)
           if (!v.isList()) return false;
           auto list = v.toListRef();
-          key.push_back(kList);
-          key.push_back(static_cast<int64_t>(list.size()));
-          PyObject* values = PyList_New(static_cast<Py_ssize_t>(list.size()));
-          if (!dyn.push(values)) return false;
+          PyObject* values = list_argument(list.size(), key, dyn);
+          if (values == nullptr) return false;
           for (size_t j = 0; j < list.size(); j++) {
             const c10::IValue& x = list[j];
             PyObject* value = x.isDouble() ? PyFloat_FromDouble(x.toDouble())
@@ -889,25 +931,6 @@ class HotKernel final : public c10::OperatorKernel {
     Py_DECREF(result);
     if (!ok) PyErr_Clear();
     return ok;
-  }
-
-  // `array` (a recorded value while recording) as a new pjrt tensor (storage.wrap), or an
-  // undefined tensor; `appended_along` >= 0: its storage marked as a first append's (cat).
-  static at::Tensor wrap(PyObject* array, const Result& r, bool recording, int64_t appended_along = -1) {
-    if (reinterpret_cast<PyObject*>(Py_TYPE(array)) != (recording ? config->pending_type : config->array_type))
-      return at::Tensor();
-    PyObject* new_args[3] = {array, r.dtype_object, r.shape};
-    PyObject* st = PyObject_Vectorcall(config->storage_class, new_args, r.shape != nullptr ? 3 : 2, nullptr);
-    if (st != nullptr && appended_along >= 0) {
-      PyObject* along = PyLong_FromLongLong(appended_along);
-      if (along == nullptr || PyObject_SetAttr(st, config->name_appended_along, along) != 0) Py_CLEAR(st);
-      Py_XDECREF(along);
-    }
-    if (st == nullptr) {
-      PyErr_Clear();
-      return at::Tensor();
-    }
-    return new_tensor(st, r.dtype, r.sizes, r.strides, r.nbytes);
   }
 
   // A checked op's vector (its program's last output) handed to device_checks, as the Python
@@ -1054,23 +1077,6 @@ class HotKernel final : public c10::OperatorKernel {
     return call_python_kernel(op, args, python_kernel_, n_returns_, inplace_);
   }
 
-  // The `shape` of a result's storage object (a new reference), or nullptr: the same program
-  // gives arrays of the same shape, which for a result laid out in memory order (or with a
-  // size-1 dimension out of place) is not the tensor's sizes.
-  static PyObject* storage_shape(const at::Tensor& t) {
-    PyObject* py_storage = THPStorage_Wrap(t.storage());
-    PyObject* st = py_storage != nullptr ? PyObject_GetAttr(py_storage, config->name_pjrt) : nullptr;
-    PyObject* shape = st != nullptr ? PyObject_GetAttr(st, config->name_shape) : nullptr;
-    Py_XDECREF(st);
-    Py_XDECREF(py_storage);
-    if (shape == nullptr || !PyTuple_CheckExact(shape)) {
-      PyErr_Clear();
-      Py_XDECREF(shape);
-      return nullptr;
-    }
-    return shape;
-  }
-
   PyObject* name_;  // "add.Tensor": the stash must name this op
   std::string codes_;
   PyObject* check_recorder_;
@@ -1129,7 +1135,7 @@ class FactoryKernel final : public c10::OperatorKernel {
         keyed = shared_key(args, key);
         auto it = keyed ? shared_.find(key) : shared_.end();
         if (it != shared_.end()) {
-          at::Tensor t = wrap_shared(it->second);
+          at::Tensor t = wrap(it->second.array, it->second.result, false);
           if (t.defined()) {
             torch::jit::drop(*stack, n);
             stack->emplace_back(std::move(t));
@@ -1348,22 +1354,8 @@ class FactoryKernel final : public c10::OperatorKernel {
 
   struct Shared {
     PyObject* array;  // the kept result (storage.shared_result's)
-    PyObject* shape;  // its shape, a tuple
-    c10::ScalarType dtype;
-    std::vector<int64_t> sizes;
-    int64_t nbytes;
+    Result result;    // the tensor made over it, as the Python kernel's call made it
   };
-
-  // A new tensor over the kept array, as storage.wrap makes it; undefined on failure.
-  static at::Tensor wrap_shared(const Shared& e) {
-    PyObject* new_args[3] = {e.array, reinterpret_cast<PyObject*>(torch::getTHPDtype(e.dtype)), e.shape};
-    PyObject* st = PyObject_Vectorcall(config->storage_class, new_args, 3, nullptr);
-    if (st == nullptr) {
-      PyErr_Clear();
-      return at::Tensor();
-    }
-    return new_tensor(st, e.dtype, e.sizes, {}, e.nbytes);
-  }
 
   // After the Python kernel's call: the result it kept (stash.last_shared, set only when kept),
   // when `out` is a dense row-major tensor over exactly that array.
@@ -1376,26 +1368,26 @@ class FactoryKernel final : public c10::OperatorKernel {
     Held h;
     bool ok = reinterpret_cast<PyObject*>(Py_TYPE(array)) == config->array_type && out.defined() &&
               held(out, h, false) && h.whole && h.array == array;
-    PyObject* shape = ok ? PyObject_GetAttr(h.storage, config->name_shape) : nullptr;
-    if (shape == nullptr || !PyTuple_Check(shape)) {
-      PyErr_Clear();
-      Py_XDECREF(shape);
+    PyObject* shape = ok ? storage_shape(out) : nullptr;
+    if (shape == nullptr) {
       Py_DECREF(array);
       return;
     }
     if (shared_.size() >= kFillsKept) {  // small arrays, but not without bound
-      for (auto& [k, e] : shared_) {
-        Py_DECREF(e.array);
-        Py_DECREF(e.shape);
-      }
+      for (auto& [k, e] : shared_) release(e);
       shared_.clear();
     }
-    Shared e{array, shape, out.scalar_type(), out.sizes().vec(), static_cast<int64_t>(out.storage().nbytes())};
-    auto [it, inserted] = shared_.emplace(std::move(key), e);
-    if (!inserted) {
-      Py_DECREF(array);
-      Py_DECREF(shape);
-    }
+    PyObject* dtype_object = reinterpret_cast<PyObject*>(torch::getTHPDtype(out.scalar_type()));
+    Py_INCREF(dtype_object);
+    Shared e{array, Result{out.scalar_type(), dtype_object, out.sizes().vec(),
+                           static_cast<int64_t>(out.storage().nbytes()), {}, true, shape}};
+    if (!shared_.emplace(std::move(key), e).second) release(e);
+  }
+
+  static void release(Shared& e) {
+    Py_DECREF(e.array);
+    Py_DECREF(e.result.dtype_object);
+    Py_DECREF(e.result.shape);
   }
 
   static constexpr size_t kFillsKept = 256;
