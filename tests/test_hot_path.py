@@ -311,16 +311,21 @@ def test_fused_recording_debug_mode_and_padded_storages():
     with torchpjrt.eager_mode("debug", log_ops=True):
         out, n = served(lambda: a.exp())
         assert n == 0
-    # a padded storage (nonzero's result) takes its rules in the Python kernel; exact tensors
-    # stay on the hot path meanwhile
+    # a padded storage (nonzero's result): exact tensors stay on the hot path meanwhile; a view
+    # of it that is not all of it but its padding (a column) takes the Python kernel's rules
     idx = (a > 0).nonzero()
     assert padding.storage_padding_of(idx) is not None
     out, n = served(lambda: a.exp())
     assert n == 1
+    column = idx[:, 0]
+    column.neg()
+    out, n = served(lambda: column.neg())
+    assert n == 0 and padding.storage_padding_of(out) == padding.storage_padding_of(idx)
+    torch.testing.assert_close(out.cpu(), -(a.cpu() > 0).nonzero()[:, 0])
     rows = idx[:, 0].float()
     rows.exp()  # a first call: the Python kernel (the pointwise rule keeps it padded)
-    out, n = served(lambda: rows.exp())
-    assert n == 0 and padding.storage_padding_of(out) == padding.storage_padding_of(idx)
+    out, n = served(lambda: rows.exp())  # then the hot path, padded alike
+    assert n == 1 and padding.storage_padding_of(out) == padding.storage_padding_of(idx)
     torch.testing.assert_close(out.cpu(), (a.cpu() > 0).nonzero()[:, 0].float().exp())
 
 
@@ -1105,3 +1110,74 @@ def test_an_inplace_op_on_a_reshaped_tensor_writes_the_whole_storage(mode):
         assert torch.equal(flat.cpu(), torch.ones(12))
     finally:
         torchpjrt.set_eager_mode("strict")
+
+
+@needs_hot_path
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_padded_storages_are_served_for_ops_whose_rule_only_widens_them(mode):
+    """Rows picked by a mask (a padded storage: n of B rows) are keyed by B: a second call with
+    another n of the same bucket is served, with the results and the padding the Python kernel
+    gives; ops whose rule reads masked (a sum over the rows) stay with the Python kernel."""
+    from torchpjrt import padding
+
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 8, generator=gen), torch.randn(8, 5, generator=gen)
+    xd, wd = x.to(DEV), w.to(DEV)
+    ops = {
+        "mul": (lambda t, w: t * 2.5, True),
+        "sigmoid": (lambda t, w: t.sigmoid(), True),
+        "mm": (lambda t, w: t @ w, True),
+        "sum over columns": (lambda t, w: t.sum(1), True),
+        "cast": (lambda t, w: t.to(torch.float64), True),
+        "sub_": (lambda t, w: (t * 1.0).sub_(t), True),
+        "a row (an exact view) added": (lambda t, w: t + t[:1], True),
+        "halves (padded views)": (lambda t, w: t[:, :4] * t[:, 4:], True),
+        "sum over rows": (lambda t, w: t.sum(0), False),
+        "a column summed": (lambda t, w: t[:, 0].sum(), False),
+    }
+    order = torch.randperm(64, generator=gen)
+    with torchpjrt.eager_mode(mode):
+        for call, k in enumerate((10, 13, 11)):  # one bucket (16 rows)
+            mask = torch.zeros(64, dtype=torch.bool)
+            mask[order[:k]] = True
+            rows, ref_rows = xd[mask.to(DEV)], x[mask]
+            assert padding.storage_padding_of(rows) == (k, 16)
+            for name, (fn, widens) in ops.items():
+                out, n = served(lambda: fn(rows, wd))
+                ref = fn(ref_rows, w)
+                if call:
+                    assert (n >= 1) == widens, name
+                assert out.shape == ref.shape, name
+                torch.testing.assert_close(out.cpu(), ref, msg=name)
+                if widens:
+                    assert padding.storage_padding_of(out) == (k, 16), name
+                    torch.testing.assert_close(out.sum().cpu(), ref.sum(), msg=name)  # the padding stays unseen
+
+
+@needs_hot_path
+def test_padded_arguments_of_an_exact_target_or_another_n_go_to_the_python_kernel():
+    """CPU's broadcast of one padded row (n = 1) into an exact target depends on n, which the key
+    leaves out: such calls are never served, so n = 2 meets CPU's error or its result."""
+    x = torch.randn(64, 8)
+    xd = x.to(DEV)
+
+    def rows(k):
+        mask = torch.zeros(64, dtype=torch.bool)
+        mask[:k] = True
+        return xd[mask.to(DEV)], x[mask]
+
+    for k in (1, 1, 2, 2):
+        padded, ref = rows(k)
+        target = torch.ones(2, 8)
+        target_d = target.to(DEV)
+        out, n = served(lambda: target_d + padded)
+        assert n == 0
+        torch.testing.assert_close(out.cpu(), target + ref)
+        _, n = served(lambda: target_d.add_(padded))
+        assert n == 0
+        torch.testing.assert_close(target_d.cpu(), target.add_(ref))
+    with pytest.raises(RuntimeError, match="must match the size"):
+        torch.ones(2, 8, device=DEV) + rows(3)[0]
+    # two padded arguments with different n: the Python kernel (an exact run, CPU's error)
+    with pytest.raises(RuntimeError, match="must match the size"):
+        rows(3)[0] + rows(4)[0]

@@ -1882,9 +1882,10 @@ def register():
     for name, fn in SPECIAL_KERNELS.items():
         op = _op_named(name)
         if name == "_to_copy" and hot is not None:
-            # its casts on the device are served by the hot path: `self` keyed, every other
-            # argument static (a `device=` it cannot key sends the call to k_to_copy)
-            hot_path.register(op, name, "t" + "s" * (len(op._schema.arguments) - 1), _registered(op, None, fn))
+            # its casts on the device are served by the hot path: `self` keyed (padded too: its
+            # rule widens it), every other argument static (a `device=` it cannot key sends the
+            # call to k_to_copy)
+            hot_path.register(op, name, "p" + "s" * (len(op._schema.arguments) - 1), _registered(op, None, fn))
             continue
         if name in hot_path.FACTORIES and hot is not None:
             hot_path.register_factory(name, _registered(op, None, fn))

@@ -6,9 +6,13 @@ strides, offset and storage shape; numbers; static arguments) and, for a key the
 has already served, calls the same compiled program and wraps its array as storage.wrap does;
 while fused mode records, it records that program into the pending graph as the Python kernel
 does (fusion.record_keyed). A call it cannot key (host tensors, a storage not computed yet, a
-view as an in-place target, a padded storage's tensor: padding.py's rules; a number that does not
-fit the type CPU converts it to), a new key, and every call while debug mode or a second device
-is in use, runs the Python kernel. The Python kernel tells it which program a call used
+view as an in-place target, a padded storage's tensor for an op whose padding rule does more than
+widen it; a number that does not fit the type CPU converts it to), a new key, and every call while
+debug mode or a second device is in use, runs the Python kernel. A padded storage's tensor (the
+first n positions of a storage of B along one dimension: padding.py) is keyed by B, without n,
+for an op whose rule only widens its arguments (padding.widens: pointwise ops, matmuls along a
+padded row, reductions apart from it, casts); its results are marked with the arguments' n as the
+rule marks them. The Python kernel tells it which program a call used
 (`stash.last_call`, read by `take_entry`); it is taken only for plain calls: new dense results
 of a functional kernel (row-major, or in the order CPU gives an op on a transposed or permuted
 input, which the C++ kernel makes with the strides the Python kernel gave), a whole-storage
@@ -83,8 +87,8 @@ def take_entry(qualname, views):
     else:
         kernel, key = call  # its results: new dense tensors, row-major or laid out as CPU lays them out
     program = kernel.cache.get(key)
-    if program is None:
-        return None
+    if program is None or any(type(w) is tuple and w[:1] == ("beyond",) for w in key):
+        return None  # (a padded view read masked takes its n as an argument: dispatch._key_beyond)
     # as LoweredKernel.compute_keyed passes a view: (array, offset) where the offset is an argument
     forms = tuple(storage.runtime_offset(v.untyped_storage()._pjrt, v) is not None for v in views)
     return program, forms, functools.partial(fusion.record_keyed, kernel.fused_avals, key, program)
@@ -106,7 +110,7 @@ def start():
     if lib is None or path is None or not hasattr(lib, "torchpjrt_hot_register"):
         return None
     py = ctypes.PyDLL(path)
-    py.torchpjrt_hot_configure.argtypes = [ctypes.py_object] * 10
+    py.torchpjrt_hot_configure.argtypes = [ctypes.py_object] * 11
     py.torchpjrt_hot_configure.restype = ctypes.c_int
     py.torchpjrt_hot_register.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.py_object, ctypes.c_int, ctypes.c_int,
                                           ctypes.py_object]
@@ -118,7 +122,7 @@ def start():
     off_when = [(eager, "debug_enabled"), (placement, "multi"), (storage, "mesh_placements")]
     model = storage._create_empty((0,), torch.float32)
     py.torchpjrt_hot_configure(storage.Storage, ArrayImpl, stash, take_entry, off_when, model, np.int64,
-                               fusion.Pending, (fusion, "records_ops"), (padding, "enabled"))
+                               fusion.Pending, (fusion, "records_ops"), (padding, "enabled"), padding.mark_storage)
     py.torchpjrt_hot_budget.argtypes = [ctypes.c_longlong]
     py.torchpjrt_hot_budget.restype = None
     _library = py
@@ -144,7 +148,7 @@ def writes_first_alone(op, lowering) -> bool:
 def codes(op, lowering, sig, kinds, has_call_check, inplace=False) -> str | None:
     """The C++ kernel's per-argument codes for `op` (with `inplace`: an in-place form of the
     op `lowering` computes, or an op that writes its first argument alone), or None when it does
-    not serve it: 't' tensor, 'l' list of
+    not serve it: 't' tensor ('p': one that may be padded, its op's padding rule widening it), 'l' list of
     tensors ('a': cat's, whose appends to a grown sequence go to the Python kernel; 'x': indices,
     integer or None),
     'n' traced number ('c', 'o': one CPU converts with overflow checks to the result's
@@ -187,12 +191,14 @@ def codes(op, lowering, sig, kinds, has_call_check, inplace=False) -> str | None
             not (all(r == "Tensor" for r in returns) or returns == ["List[Tensor]"]):
         return None
     checked = dict(checked_numbers(op, sig, kinds) or ())
+    # a padding rule that only widens its padded arguments (padding.widens): 'p' keys them too
+    tensor = "p" if getattr(padding.rule_for(op, lowering), "widens", False) else "t"
     out = []
     for i, (arg, kind) in enumerate(zip(schema.arguments, kinds)):
         if str(arg.type) not in _TYPES and kind != SCALAR:
             return None
         if kind == TENSOR:
-            out.append("w" if arg.name in written and not inplace else "t")
+            out.append("w" if arg.name in written and not inplace else tensor)
         elif kind == TENSOR_LIST:
             out.append("x" if indexing else "a" if op == torch.ops.aten.cat.default else "l")
         elif kind == SCALAR:

@@ -76,14 +76,19 @@ def _forget(ref):
     live -= 1
 
 
-def _mark(full: torch.Tensor, dim: int, n: int) -> torch.Tensor:
-    """`full` (a new tensor) as its first n positions along `dim`, its storage marked padded."""
+def mark_storage(st, n: int, B: int, stride: int) -> None:
+    """Mark storage object `st` padded: a tensor's first n of its B positions along the dimension
+    of `stride`. Counted in `live` while it is alive (the hot path's padded results call it too)."""
     global live
-    B = full.shape[dim]
-    st = storage.storage_of(full)
-    st.padding = (n, B, full.stride(dim))
+    st.padding = (n, B, stride)
     live += 1
     _marks.add(weakref.ref(st, _forget))  # (a plain reference with a callback costs a fraction of a finalize)
+
+
+def _mark(full: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """`full` (a new tensor) as its first n positions along `dim`, its storage marked padded."""
+    B = full.shape[dim]
+    mark_storage(storage.storage_of(full), n, B, full.stride(dim))
     if B == n:
         return full  # marked all the same: it shares the bucket's kernels
     size = list(full.shape)
@@ -169,8 +174,21 @@ def _mark_results(out, dim, n):
 
 # ---- the rules -------------------------------------------------------------------------------
 # Each takes (kernel, sig, vals) and returns the result, or NotImplemented for an exact run.
+#
+# A rule marked `widens` calls the op's kernel once, on its padded arguments widened to their
+# whole storages (or marked to be read masked: dispatch keys those apart), and marks every result
+# padded along one dimension with the arguments' n (an in-place one writes its padded target
+# whole). What it decides follows from the arguments' sizes with B for n, their padded dimensions,
+# the other arguments and n being the same for all, so the hot path (hot_path.py) keys such a call
+# without n and replays the program of the whole storages for any n.
 
 
+def widens(rule):
+    rule.widens = True
+    return rule
+
+
+@widens
 def _pointwise(kernel, sig, vals):
     found = {}
     tensors = []
@@ -202,6 +220,7 @@ def _pointwise(kernel, sig, vals):
     return _mark_results(_call(kernel, sig, wide), D, n)
 
 
+@widens
 def _pointwise_inplace(kernel, sig, vals):
     """self.sub_(other), self.fill_(v) on a padded self: the whole storage is written (its
     padded positions too, which nobody sees)."""
@@ -292,7 +311,7 @@ def _matmul(first, batched):
                 return NotImplemented
         return _mark_results(_call(kernel, sig, wide), out_dim, n)
 
-    return rule
+    return widens(rule)
 
 
 def _reduced_apart(kernel, sig, vals, p, reduced, keepdim):
@@ -304,6 +323,7 @@ def _reduced_apart(kernel, sig, vals, p, reduced, keepdim):
     return _mark_results(_call(kernel, sig, wide), out_dim, n)
 
 
+@widens
 def _sum(kernel, sig, vals):
     x, dims, keepdim = vals[0], vals[1], vals[2]
     p = padded_dim(x)
@@ -374,7 +394,7 @@ def _along_dim(dim_pos):
             wide[i] = _widened(vals[i], d, B)
         return _mark_results(_call(kernel, sig, wide), d, n)
 
-    return rule
+    return widens(rule)
 
 
 def _nll_padded(x, target, weight):
@@ -603,6 +623,7 @@ def _cat(kernel, sig, vals):
     return _mark_results(_call(kernel, sig, wide), d, n)
 
 
+@widens
 def _to_copy(kernel, sig, vals):
     """x.to(dtype) on the same device: a conversion per position."""
     x, device, memory_format = vals[0], vals[3], vals[6]

@@ -12,8 +12,9 @@
 // and wraps the results as the Python kernel does (a storage object holding the array, an
 // address of its own), or for an in-place form hands the result to the target's storage
 // object (Storage.replace, as storage.write does for a whole storage). Everything else goes to
-// the Python kernel: a first call, another eager mode, padded storages, several devices, host
-// tensors. So results are the Python kernel's, call for call. Factories and constant fills
+// the Python kernel: a first call, another eager mode, several devices, host
+// tensors, padded storages but for ops whose padding rule only widens them (code 'p'). So
+// results are the Python kernel's, call for call. Factories and constant fills
 // (torch.empty, zeros, ones, full, ones_like) have a kernel of their own (FactoryKernel, below).
 
 #include <ATen/Dispatch.h>
@@ -53,6 +54,7 @@ struct Config {
   std::pair<PyObject*, PyObject*> appends{nullptr, nullptr};  // (padding's dict, "enabled"): cat's first appends marked
   PyObject* stash = nullptr;          // per thread, `last_call`: set by the Python kernel's call
   PyObject* take_entry = nullptr;     // (op name, view arguments) -> (program, offset forms) or None
+  PyObject* mark_padded = nullptr;    // padding.mark_storage(storage object, n, B, stride)
   PyObject* int64_type = nullptr;     // numpy.int64: a view's offset as the Python kernel passes it
   std::vector<std::pair<PyObject*, PyObject*>> off_when;  // (module dict, name): true -> Python kernel
   PyObject* name_pjrt = nullptr;
@@ -85,7 +87,7 @@ std::unique_ptr<torch::Library> registration;
 
 constexpr int64_t kNone = -1, kBool = -2, kDynInt = -4, kDynFloat = -6, kInt = -7,
                   kFloat = -8, kIntList = -9, kString = -10, kTensor = -11, kView = -12, kList = -13,
-                  kReshaped = -14;
+                  kReshaped = -14, kPadded = -15;
 
 // A view argument of one call: where its array is among the program's arguments (`element`: its
 // index in the list argument there, -1 for an argument of its own), its offset.
@@ -94,6 +96,8 @@ struct View {
   int element;
   int64_t offset;
   at::Tensor tensor;
+  // a padded view's sizes with B along its padded dimension (the view its op's rule reads), or empty
+  std::vector<int64_t> widened;
 };
 
 // One result of a functional op: what its new tensor is made of.
@@ -111,6 +115,9 @@ struct Result {
   // the shape of the result's storage (its array's) as the Python kernel's call left it, given
   // to the storage object so that it does not read the array's shape; nullptr: it reads it
   PyObject* shape = nullptr;
+  // >= 0: a padded result (padding.py), `sizes` its whole storage's: the tensor is the first n
+  // positions (the padded arguments' n, which the key leaves out) along this dimension
+  int64_t padded_dim = -1;
 };
 
 struct Entry {
@@ -189,13 +196,51 @@ struct Held {
   bool whole = false;
   bool reshaped = false;
   std::vector<int64_t> storage_shape;
+  // a padded storage's tensor (padding.py): its first n positions along `padded_dim`, keyed with
+  // B there; `whole` when it is all of the storage but for the positions from n on, else a view
+  int64_t padded_dim = -1;
+  int64_t padded_n = 0;
+  int64_t padded_bucket = 0;
   ~Held() {
     Py_XDECREF(storage);
     Py_XDECREF(array);
   }
 };
 
-bool held(const at::Tensor& t, Held& h, bool recording) {
+// Whether `t` is the first n positions along one dimension of a padded storage of `shape` (B
+// along it, `stride` its stride): padding.padded_dim's dimension (the one of size n and that
+// stride, and no other such, from a multiple of B positions), in `h`; `whole` when t is
+// otherwise all of the storage, row-major. Otherwise (an element, a column) padding.py's rules
+// read it exactly, as any view.
+bool padded_tensor(const at::Tensor& t, const std::vector<int64_t>& shape, int64_t n, int64_t B, int64_t stride,
+                   Held& h) {
+  int64_t found = -1;
+  for (int64_t d = 0; d < t.dim(); d++) {
+    if (t.size(d) == n && t.stride(d) == stride) {
+      if (found >= 0) return false;  // two candidates: padding.py reads it exactly
+      found = d;
+    }
+  }
+  if (found < 0 || stride <= 0 || (t.storage_offset() / stride) % B != 0) return false;
+  h.padded_dim = found;
+  h.padded_n = n;
+  h.padded_bucket = B;
+  h.whole = false;
+  h.reshaped = false;
+  if (t.storage_offset() != 0 || t.dim() != static_cast<int64_t>(shape.size())) return true;
+  int64_t expected = 1;
+  for (int64_t d = t.dim() - 1; d >= 0; d--) {
+    const int64_t size = d == found ? B : t.size(d);
+    if (size != shape[d] || (size != 1 && t.stride(d) != expected)) return true;
+    expected *= size;
+  }
+  h.whole = true;
+  return true;
+}
+
+// `padded`: a padded storage's tensor may be held (padded_whole), for an op whose padding rule
+// only widens its arguments (code 'p').
+bool held(const at::Tensor& t, Held& h, bool recording, bool padded = false) {
   if (t.device().type() != c10::DeviceType::PrivateUse1) return false;
   PyObject* py_storage = THPStorage_Wrap(t.storage());
   if (py_storage == nullptr) {
@@ -220,7 +265,14 @@ bool held(const at::Tensor& t, Held& h, bool recording) {
     Py_DECREF(h.array);
     h.array = PyObject_CallMethodNoArgs(h.storage, config->name_value);
   }
-  bool ok = h.array != nullptr && shape != nullptr && dtype != nullptr && padding == Py_None &&
+  int64_t pad[3] = {0, 0, 0};  // a padded storage's (n, B, stride)
+  bool padded_ok = padded && padding != nullptr && PyTuple_CheckExact(padding) && PyTuple_GET_SIZE(padding) == 3;
+  for (int j = 0; padded_ok && j < 3; j++) {
+    PyObject* w = PyTuple_GET_ITEM(padding, j);
+    padded_ok = PyLong_CheckExact(w);
+    pad[j] = padded_ok ? PyLong_AsLongLong(w) : 0;
+  }
+  bool ok = h.array != nullptr && shape != nullptr && dtype != nullptr && (padding == Py_None || padded_ok) &&
             (reinterpret_cast<PyObject*>(Py_TYPE(h.array)) == config->array_type ||
              (recording && reinterpret_cast<PyObject*>(Py_TYPE(h.array)) == config->pending_type)) &&
             typed && PyTuple_Check(shape);
@@ -240,6 +292,7 @@ bool held(const at::Tensor& t, Held& h, bool recording) {
     PyErr_Clear();
     return false;
   }
+  if (padded_ok && padded_tensor(t, h.storage_shape, pad[0], pad[1], pad[2], h)) return true;
   h.whole = t.storage_offset() == 0 && t.is_contiguous() && t.sizes().equals(h.storage_shape);
   if (!h.whole && t.storage_offset() == 0 && t.is_contiguous()) {
     int64_t numel = 1;
@@ -280,8 +333,10 @@ at::Tensor new_tensor(PyObject* st, c10::ScalarType dtype, c10::IntArrayRef size
 }
 
 // `array` (a recorded value while recording) as a new pjrt tensor (storage.wrap), or an
-// undefined tensor; `appended_along` >= 0: its storage marked as a first append's (cat).
-at::Tensor wrap(PyObject* array, const Result& r, bool recording, int64_t appended_along = -1) {
+// undefined tensor; `appended_along` >= 0: its storage marked as a first append's (cat). A padded
+// result (r.padded_dim) is the first `padded_n` positions of its storage, marked as padding._mark
+// marks it.
+at::Tensor wrap(PyObject* array, const Result& r, bool recording, int64_t appended_along = -1, int64_t padded_n = -1) {
   if (reinterpret_cast<PyObject*>(Py_TYPE(array)) != (recording ? config->pending_type : config->array_type))
     return at::Tensor();
   PyObject* new_args[3] = {array, r.dtype_object, r.shape};
@@ -295,7 +350,30 @@ at::Tensor wrap(PyObject* array, const Result& r, bool recording, int64_t append
     PyErr_Clear();
     return at::Tensor();
   }
-  return new_tensor(st, r.dtype, r.sizes, r.strides, r.nbytes);
+  if (r.padded_dim < 0) return new_tensor(st, r.dtype, r.sizes, r.strides, r.nbytes);
+  // row-major over the whole storage, n positions along the padded dimension
+  c10::SmallVector<int64_t, 6> sizes(r.sizes.begin(), r.sizes.end());
+  c10::SmallVector<int64_t, 6> strides(sizes.size());
+  int64_t stride = 1;
+  for (int64_t d = static_cast<int64_t>(sizes.size()) - 1; d >= 0; d--) {
+    strides[d] = stride;
+    stride *= sizes[d];
+  }
+  PyObject* mark_args[4] = {st, PyLong_FromLongLong(padded_n), PyLong_FromLongLong(sizes[r.padded_dim]),
+                            PyLong_FromLongLong(strides[r.padded_dim])};
+  PyObject* none = mark_args[1] && mark_args[2] && mark_args[3]
+                       ? PyObject_Vectorcall(config->mark_padded, mark_args, 4, nullptr)
+                       : nullptr;
+  for (int j = 1; j < 4; j++) Py_XDECREF(mark_args[j]);
+  if (none == nullptr || padded_n < 0) {
+    PyErr_Clear();
+    Py_XDECREF(none);
+    Py_DECREF(st);
+    return at::Tensor();
+  }
+  Py_DECREF(none);
+  sizes[r.padded_dim] = padded_n;
+  return new_tensor(st, r.dtype, sizes, strides, r.nbytes);
 }
 
 // The `shape` of a result's storage object (a new reference), or nullptr: the same program
@@ -470,7 +548,9 @@ std::vector<at::Tensor> call_python_kernel(const c10::OperatorHandle& op, c10::A
 
 class HotKernel final : public c10::OperatorKernel {
  public:
-  // codes: per schema argument, 't' tensor, 'l' list of tensors ('a' cat's: an append to a
+  // codes: per schema argument, 't' tensor ('p' one that may be padded: padding.py's rule for
+  // the op only widens it, so its storage's sizes key it, the result is marked with its n), 'l'
+  // list of tensors ('a' cat's: an append to a
   // storage with a history of appends goes to the Python kernel, a first append's result is
   // marked as padding.py marks it; 'x' index's indices: integer tensors or None,
   // a mask goes to the Python kernel), 'n' number (traced unless
@@ -507,14 +587,15 @@ class HotKernel final : public c10::OperatorKernel {
     bool checked = check_recorder_ != nullptr && is_set(checks_on_.first, checks_on_.second);
     if (check_recorder_ != nullptr) key.push_back(checked);
     int64_t append_mark = -1;
+    int64_t padded_n = -1;
     bool keyed = budget.load(std::memory_order_relaxed) != 0 && !python_path_wanted() &&
-                 make_key(args, key, dyn, targets, views, recording, append_mark);
+                 make_key(args, key, dyn, targets, views, recording, append_mark, padded_n);
     if (keyed) {
       auto it = table_.find(key);
       if (it != table_.end() && numbers_fit(args, it->second) && with_offsets(it->second, dyn, views)) {
         std::vector<at::Tensor> results;
         bool done = inplace_ ? run_inplace(it->second, dyn, targets, recording, checked)
-                             : run(it->second, dyn, targets, results, recording, checked, append_mark);
+                             : run(it->second, dyn, targets, results, recording, checked, append_mark, padded_n);
         if (done) {
           calls.fetch_add(1, std::memory_order_relaxed);
           if (budget.load(std::memory_order_relaxed) > 0) budget.fetch_sub(1, std::memory_order_relaxed);
@@ -525,7 +606,7 @@ class HotKernel final : public c10::OperatorKernel {
     }
     if (keyed && PyObject_SetAttr(config->stash, config->name_last_call, Py_None) != 0) PyErr_Clear();
     std::vector<at::Tensor> out = call_python(op, args);
-    if (keyed) learn(std::move(key), out, views);
+    if (keyed) learn(std::move(key), out, views, padded_n);
     push_results(stack, std::move(out));
   }
 
@@ -592,14 +673,25 @@ class HotKernel final : public c10::OperatorKernel {
     }
   }
 
-  // A tensor argument's key words, and its array appended to `arrays` (the program's argument);
-  // false when the call cannot be keyed.
-  static bool tensor_key(const at::Tensor& t, Held& h, std::vector<int64_t>& key, bool recording) {
-    if (!held(t, h, recording)) return false;
+  // A tensor argument's key words; false when the call cannot be keyed. With `padded_n` (code
+  // 'p'), a padded storage's tensor is keyed by its storage's sizes and its padded dimension:
+  // the op's rule runs the program of the whole storages whatever n, which must be the same for
+  // every padded argument (`padded_n`: -1 until one is met).
+  static bool tensor_key(const at::Tensor& t, Held& h, std::vector<int64_t>& key, bool recording,
+                         int64_t* padded_n = nullptr) {
+    if (!held(t, h, recording, padded_n != nullptr)) return false;
     key.push_back(kTensor);
     key.push_back(static_cast<int64_t>(t.scalar_type()));
     key.push_back(t.dim());
-    for (int64_t s : t.sizes()) key.push_back(s);
+    if (h.padded_dim < 0) {
+      for (int64_t s : t.sizes()) key.push_back(s);
+      return true;
+    }
+    if (*padded_n >= 0 && *padded_n != h.padded_n) return false;  // padded apart: the Python kernel
+    *padded_n = h.padded_n;
+    for (int64_t d = 0; d < t.dim(); d++) key.push_back(d == h.padded_dim ? h.padded_bucket : t.size(d));
+    key.push_back(kPadded);
+    key.push_back(h.padded_dim);
     return true;
   }
 
@@ -622,6 +714,10 @@ class HotKernel final : public c10::OperatorKernel {
     key.push_back(static_cast<int64_t>(h.storage_shape.size()));
     for (int64_t s : h.storage_shape) key.push_back(s);
     views.push_back(View{position, element, t.storage_offset(), t});
+    if (h.padded_dim >= 0) {
+      views.back().widened = t.sizes().vec();
+      views.back().widened[h.padded_dim] = h.padded_bucket;
+    }
   }
 
   // A list argument of `n` items: its length in the key, and a new list (borrowed: the last of
@@ -689,8 +785,10 @@ class HotKernel final : public c10::OperatorKernel {
 
   // `append_mark`: for a cat padding.py would record as a first append, the dimension its result
   // is marked with (Storage.appended_along); else left -1.
+  // `padded_n`: the n of the padded storages among the arguments (code 'p'), or left -1.
   bool make_key(c10::ArrayRef<c10::IValue> args, std::vector<int64_t>& key, Arguments& dyn, Arguments& targets,
-                std::vector<View>& views, bool recording, int64_t& append_mark) {
+                std::vector<View>& views, bool recording, int64_t& append_mark, int64_t& padded_n) {
+    bool target_padded = false;
     for (size_t i = 0; i < codes_.size(); i++) {
       const c10::IValue& v = args[i];
       switch (codes_[i]) {
@@ -711,7 +809,8 @@ class HotKernel final : public c10::OperatorKernel {
           if (!dyn.push(h.array)) return false;
           break;
         }
-        case 't': {
+        case 't':
+        case 'p': {  // 'p': a tensor that may be padded (its op's padding rule only widens it)
           if (v.isNone()) {
             key.push_back(kNone);
             continue;
@@ -728,8 +827,11 @@ class HotKernel final : public c10::OperatorKernel {
             continue;
           }
           Held h;
-          if (!tensor_key(t, h, key, recording)) return false;
+          if (!tensor_key(t, h, key, recording, codes_[i] == 'p' ? &padded_n : nullptr)) return false;
+          // padded arguments with an exact target: CPU's broadcast, which the Python kernel checks
+          if (inplace_ && i > 0 && padded_n >= 0 && !target_padded) return false;
           if (inplace_ && i == 0) {
+            target_padded = h.padded_dim >= 0;
             // a view target: the Python kernel scatters into its storage; all of it in another
             // shape is written whole (storage.write: the storage takes the tensor's shape)
             if (!h.whole && !h.reshaped) return false;
@@ -883,7 +985,7 @@ class HotKernel final : public c10::OperatorKernel {
   // The program's results as new pjrt tensors in `out`; false when anything is not as the
   // Python kernel left it (the Python kernel then runs the call and says why).
   bool run(const Entry& e, Arguments& dyn, Arguments& written, std::vector<at::Tensor>& out, bool recording,
-           bool checked, int64_t append_mark) {
+           bool checked, int64_t append_mark, int64_t padded_n) {
     PyObject* result = call(e, dyn, recording);
     if (result == nullptr) {
       PyErr_Clear();
@@ -908,7 +1010,7 @@ class HotKernel final : public c10::OperatorKernel {
         out.push_back(at::Tensor());
         continue;
       }
-      at::Tensor t = wrap(item, e.results[i], recording, i == 0 ? append_mark : -1);
+      at::Tensor t = wrap(item, e.results[i], recording, i == 0 ? append_mark : -1, padded_n);
       ok = t.defined();
       out.push_back(std::move(t));
     }
@@ -1002,14 +1104,23 @@ class HotKernel final : public c10::OperatorKernel {
 
   // After a Python kernel call made with `key`: remember its program when it reported the call
   // as plain (new dense results of a functional kernel, row-major or laid out as CPU's; results
-  // left out; whole-storage writes) and the results are as run() makes.
-  void learn(std::vector<int64_t> key, const std::vector<at::Tensor>& out, const std::vector<View>& views) {
+  // left out; whole-storage writes) and the results are as run() makes. With padded arguments
+  // (`padded_n` >= 0) only when the op's padding rule ran: the program took the whole storages
+  // (no masked read: take_entry), and each result is padded with that n (the rule marked it).
+  void learn(std::vector<int64_t> key, const std::vector<at::Tensor>& out, const std::vector<View>& views,
+             int64_t padded_n) {
     PyObject* view_tensors = PyTuple_New(static_cast<Py_ssize_t>(views.size()));
     if (view_tensors == nullptr) {
       PyErr_Clear();
       return;
     }
-    for (size_t j = 0; j < views.size(); j++) PyTuple_SET_ITEM(view_tensors, j, THPVariable_Wrap(views[j].tensor));
+    for (size_t j = 0; j < views.size(); j++) {
+      const View& v = views[j];
+      // a padded view as its op's rule widened it
+      PyTuple_SET_ITEM(view_tensors, j,
+                       THPVariable_Wrap(v.widened.empty() ? v.tensor
+                                                          : v.tensor.as_strided(v.widened, v.tensor.strides(), v.offset)));
+    }
     PyObject* found = name_ != nullptr ? PyObject_CallFunctionObjArgs(config->take_entry, name_, view_tensors, nullptr)
                                        : nullptr;
     Py_DECREF(view_tensors);
@@ -1044,6 +1155,13 @@ class HotKernel final : public c10::OperatorKernel {
     std::vector<Result> results;
     bool plain = program != Py_None;
     for (const at::Tensor& t : out) {
+      if (padded_n >= 0) {
+        Result r;
+        plain = plain && padded_result(t, padded_n, r);
+        if (!plain) break;
+        results.push_back(r);
+        continue;
+      }
       if (plain && !t.defined() && n_returns_ > 0) {  // a result left out (an output mask's)
         Py_INCREF(Py_None);
         results.push_back(Result{c10::ScalarType::Undefined, Py_None, {}, 0, {}, false});
@@ -1071,6 +1189,45 @@ class HotKernel final : public c10::OperatorKernel {
       return;
     }
     table_.emplace(std::move(key), Entry{program, recorder, std::move(offset_positions), std::move(results), kept});
+  }
+
+  // A result of the padding rule: the first n positions of a new padded storage along one
+  // dimension (as padding._mark leaves it), described in `r` as run() makes it.
+  static bool padded_result(const at::Tensor& t, int64_t n, Result& r) {
+    if (!t.defined() || t.device().type() != c10::DeviceType::PrivateUse1 || t.device().index() > 0) return false;
+    PyObject* py_storage = THPStorage_Wrap(t.storage());
+    PyObject* st = py_storage != nullptr ? PyObject_GetAttr(py_storage, config->name_pjrt) : nullptr;
+    PyObject* padding = st != nullptr ? PyObject_GetAttr(st, config->name_padding) : nullptr;
+    PyObject* shape = storage_shape(t);
+    Held h;
+    bool ok = padding != nullptr && PyTuple_CheckExact(padding) && PyTuple_GET_SIZE(padding) == 3 && shape != nullptr;
+    int64_t pad[3] = {0, 0, 0};
+    for (int j = 0; ok && j < 3; j++) {
+      ok = PyLong_CheckExact(PyTuple_GET_ITEM(padding, j));
+      pad[j] = ok ? PyLong_AsLongLong(PyTuple_GET_ITEM(padding, j)) : 0;
+    }
+    std::vector<int64_t> storage_sizes;
+    for (Py_ssize_t d = 0; ok && d < PyTuple_GET_SIZE(shape); d++) {
+      ok = PyLong_CheckExact(PyTuple_GET_ITEM(shape, d));
+      storage_sizes.push_back(ok ? PyLong_AsLongLong(PyTuple_GET_ITEM(shape, d)) : 0);
+    }
+    Py_XDECREF(padding);
+    Py_XDECREF(st);
+    Py_XDECREF(py_storage);
+    if (PyErr_Occurred()) PyErr_Clear();
+    int64_t numel = 1;
+    for (int64_t s : storage_sizes) numel *= s;
+    ok = ok && pad[0] == n && padded_tensor(t, storage_sizes, pad[0], pad[1], pad[2], h) && h.whole &&
+         t.storage().nbytes() == static_cast<size_t>(numel) * t.element_size();
+    if (!ok) {
+      Py_XDECREF(shape);
+      return false;
+    }
+    PyObject* dtype_object = reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type()));
+    Py_INCREF(dtype_object);
+    r = Result{t.scalar_type(), dtype_object, storage_sizes, numel * static_cast<int64_t>(t.element_size()), {}, true,
+               shape, h.padded_dim};
+    return true;
   }
 
   std::vector<at::Tensor> call_python(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) {
@@ -1408,11 +1565,11 @@ extern "C" {
 // model: a pjrt tensor as the Python backend makes them (its storage's allocator is taken);
 // int64_type, pending_type: see Config; records: (module, attribute name), true while fused
 // mode records ops (served by recording them); appends: (module, attribute name), true while
-// padding.py marks cat's first appends.
+// padding.py marks cat's first appends; mark_padded: see Config.
 // Returns 0, or -1 with a Python error set.
 int torchpjrt_hot_configure(PyObject* storage_class, PyObject* array_type, PyObject* stash,
                             PyObject* take_entry, PyObject* off_when, PyObject* model, PyObject* int64_type,
-                            PyObject* pending_type, PyObject* records, PyObject* appends) {
+                            PyObject* pending_type, PyObject* records, PyObject* appends, PyObject* mark_padded) {
   if (!THPVariable_Check(model)) {
     PyErr_SetString(PyExc_TypeError, "model must be a tensor");
     return -1;
@@ -1436,7 +1593,8 @@ int torchpjrt_hot_configure(PyObject* storage_class, PyObject* array_type, PyObj
     Py_INCREF(name);
     *into = {dict, name};
   }
-  for (PyObject* o : {storage_class, array_type, stash, take_entry}) Py_INCREF(o);
+  c->mark_padded = mark_padded;
+  for (PyObject* o : {storage_class, array_type, stash, take_entry, mark_padded}) Py_INCREF(o);
   PyObject* seq = PySequence_Fast(off_when, "off_when must be a sequence");
   if (seq == nullptr) return -1;
   for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
