@@ -660,3 +660,54 @@ def test_graphs_seen_before_a_passthrough_region_do_not_compile_by_distance(monk
     after = torchpjrt.eager_stats()
     assert after["passthrough_regions"] - before["passthrough_regions"] >= 3
     assert after["graphs_compiled"] == before["graphs_compiled"]
+
+
+def test_a_look_after_a_region_compiles_nothing_unless_recording_stays_on(monkeypatch):
+    """A look after a flush-heavy region decides before it compiles: a small graph seen twice
+    within a look whose verdict is "still flush-heavy" (an expert loop's bucketed graphs between
+    reads of new shapes) is not compiled for nothing; a training loop that starts after the
+    region keeps recording, and its graphs compile at their next sighting."""
+    monkeypatch.setattr(fusion, "passthrough_window", 4)
+    monkeypatch.setattr(fusion, "passthrough_ops", 6)
+    rows = torch.arange(64 * 3.0).reshape(64, 3)  # integers: sums exact in any order
+    blocks = [torch.full((5 + k,), float(k)) for k in range(12)]  # shapes no other test uses
+
+    def loop(device, compiled_at_first_region, regions_before=0):
+        d = rows.to(device)
+        small = [b.to(device) for b in blocks]
+        out = []
+        for i in range(40):
+            # a graph of a new shape every iteration, of most of the ops ...
+            x = d[:i + 1]
+            out.append((((x.neg() * 2 + 1).abs() - 3).square().sqrt() * 0.5 + x).sum().item())
+            # ... and a small one whose shape stays for 4 iterations (seen twice in a look)
+            out.append((small[i // 4].abs() + 1).sum().item())
+            if device == DEV and not compiled_at_first_region and \
+                    torchpjrt.eager_stats()["passthrough_regions"] > regions_before:
+                compiled_at_first_region.append(torchpjrt.eager_stats()["graphs_compiled"])
+        return out
+
+    expected = loop("cpu", None)
+    torchpjrt.set_eager_mode("fused")
+    compiled_at_first_region = []
+    before = torchpjrt.eager_stats()
+    assert loop(DEV, compiled_at_first_region, before["passthrough_regions"]) == expected
+    stats = torchpjrt.eager_stats()
+    assert stats["passthrough_regions"] - before["passthrough_regions"] >= 3
+    assert stats["compiles_deferred_in_looks"] > before["compiles_deferred_in_looks"]
+    assert stats["graphs_compiled"] == compiled_at_first_region[0]
+
+    # right after the region (no new mode setting): a training loop, two flushes a step
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).to(DEV)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = torchpjrt.eager_stats()
+    for _ in range(30):
+        loss = model(rows[:7].to(DEV) / 192).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        loss.item()
+    done = torchpjrt.eager_stats()
+    assert done["graphs_compiled"] > before["graphs_compiled"]
+    assert done["cache_hits"] - before["cache_hits"] >= 20  # its graphs compiled and came back

@@ -116,6 +116,7 @@ def eager_stats() -> dict:
         "graphs_compiled": s["graphs_compiled"],
         "graphs_run_op_by_op": s["graphs_run_op_by_op"],
         "compiles_deferred": s["compiles_deferred"],
+        "compiles_deferred_in_looks": s["compiles_deferred_in_looks"],  # waiting for a look's verdict
         "cache_hits": s["cache_hits"],
         "cache_misses": s["cache_misses"],
         "cached_graphs": len(fusion._compiled),

@@ -40,7 +40,11 @@ compiles as usual (its sightings are kept), and recording stays on as long as co
 keep coming back (a graph last seen before the region counts as far away: it compiles when it
 has paid for its compile). A look that finds the region still flush-heavy doubles the next
 stretch run at once (up to 32 times `passthrough_ops`), so a steady data-dependent loop spends
-little of its time being recorded.
+little of its time being recorded. A look after a region compiles nothing until it has decided:
+a graph that would compile there (seen again within the look) runs op by op and counts as
+compiled for the decision; if recording stays on, it compiles at its next sighting, and if the
+region goes on, nothing was compiled for a loop that runs op by op anyway (a bucketed expert loop
+sees some of its small graphs twice in any look).
 """
 
 import contextlib
@@ -85,7 +89,9 @@ hot_calls = int  # the hot path's call count (hot_path.calls once it is loaded; 
 # no limit): a flush-heavy region ends at a Python kernel's op (hot_path.set_budget once loaded)
 hot_budget = id
 _passthrough_next = 0  # the length of the next stretch run at once (0: passthrough_ops)
-_outcomes = []  # per recent flush (at most passthrough_window): (ran a compiled graph, ops)
+_outcomes = []  # per recent flush (at most passthrough_window): (ran or would compile a graph, ops)
+_looking_after_region = False  # recording resumed after a region: compiles wait for the look's verdict
+_deferred = False  # the flush just run: a graph that compiles if the look keeps recording on
 DISPATCH_SECONDS_PER_OP = 15e-6  # what running a recorded op by its own kernel costs the host
 _compile_seconds_per_op = [2e-3, 0]  # estimate, and graphs measured (a prior until the first)
 _flushes_seen = 0
@@ -233,7 +239,7 @@ def recording() -> bool:
 
 
 def set_recording(on: bool) -> None:
-    global _recording, _passthrough_left, _passthrough_next
+    global _recording, _passthrough_left, _passthrough_next, _looking_after_region
     with _lock:
         if not on:
             flush("mode_change")
@@ -241,6 +247,7 @@ def set_recording(on: bool) -> None:
         _passthrough_left = _passthrough_next = 0
         _sync_records_ops()
         _outcomes.clear()
+        _looking_after_region = False
 
 
 def device_error(e):
@@ -408,11 +415,12 @@ def track(storage, pending) -> None:
 
 def flush(reason: str) -> None:
     """Compile (or fetch from the cache) and run the pending graph; resolve its values."""
-    global _graph, _flushes_seen
+    global _graph, _flushes_seen, _deferred
     with _lock:
         g = _graph
         if not g.nodes:
             return
+        _deferred = False
         _graph = _Graph()
         stats["ops_recorded"] += len(g.nodes)
         alive = [p for p in (ref() for ref in g.outputs) if p is not None]
@@ -472,7 +480,7 @@ def flush(reason: str) -> None:
         stats["flushes"] += 1
         stats["ops_flushed"] += len(g.nodes)
         flush_reasons[reason] += 1
-        _note_outcome(entry is not None, len(g.nodes))
+        _note_outcome(entry is not None or _deferred, len(g.nodes))
 
 
 def _kept_identity(g, out_slots, input_signature):
@@ -567,7 +575,8 @@ def _nested_pending(args) -> bool:
 
 
 def _note_outcome(compiled: bool, n_ops: int) -> None:
-    global _passthrough_left, _passthrough_next, _flushes_seen, _hot_calls_at
+    global _passthrough_left, _passthrough_next, _flushes_seen, _hot_calls_at, _looking_after_region, _deferred
+    _deferred = False
     _outcomes.append((compiled, n_ops))
     if len(_outcomes) > passthrough_window:
         del _outcomes[0]
@@ -584,8 +593,10 @@ def _note_outcome(compiled: bool, n_ops: int) -> None:
         # then compiles at its next sighting only if it has paid for its compile (not by distance)
         _flushes_seen += reuse_distance + 1
         stats["passthrough_regions"] += 1
+        _looking_after_region = True
     else:
         _passthrough_next = 0
+        _looking_after_region = False
 
 
 def _worth_compiling(key, n_ops) -> bool:
@@ -594,13 +605,18 @@ def _worth_compiling(key, n_ops) -> bool:
     if compile_after <= 1:
         _sightings.pop(key, None)
         return True
+    global _deferred
     seen, last, paid = _sightings.pop(key, None) or (0, None, 0.0)
     seen += 1
     paid += n_ops * DISPATCH_SECONDS_PER_OP
     if seen >= compile_after:
         if _flushes_seen - last <= reuse_distance or paid >= n_ops * _compile_seconds_per_op[0]:
-            return True
-        stats["compiles_deferred"] += 1
+            if not _looking_after_region:
+                return True
+            _deferred = True  # counted as compiled by the look; compiled at its next sighting if recording stays on
+            stats["compiles_deferred_in_looks"] += 1
+        else:
+            stats["compiles_deferred"] += 1
     _sightings[key] = (seen, _flushes_seen, paid)
     if len(_sightings) > sightings_kept:
         _sightings.popitem(last=False)
