@@ -151,13 +151,22 @@ class CachedKernel:
     `traceable` is the jitted function, for callers that trace it into a larger program (fused
     eager mode); `identity` is what fixes its program."""
 
-    __slots__ = ("traceable", "identity", "_call", "_shapes", "__weakref__")
+    __slots__ = ("traceable", "identity", "_call", "_shapes", "_digest", "__weakref__")
 
     def __init__(self, jitted, identity):
         self.traceable = jitted
         self.identity = identity
         self._call = None
         self._shapes = _UNSET
+        self._digest = None
+
+    def digest(self) -> str:
+        """`identity` hashed, once: what stands for this kernel in a larger identity (a fused
+        graph's, whose repr would otherwise repeat every node's whole identity: milliseconds to
+        hash at each new graph's first sighting)."""
+        if self._digest is None:
+            self._digest = hashlib.sha256(repr(self.identity).encode()).hexdigest()
+        return self._digest
 
     def stored_shapes(self):
         """(argument treedef, argument signatures, result treedef, result (shape, dtype,
