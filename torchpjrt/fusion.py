@@ -576,8 +576,7 @@ def _nested_pending(args) -> bool:
 
 
 def _note_outcome(compiled: bool, n_ops: int) -> None:
-    global _passthrough_left, _passthrough_next, _flushes_seen, _hot_calls_at, _looking_after_region, _deferred
-    _deferred = False
+    global _passthrough_left, _passthrough_next, _flushes_seen, _hot_calls_at, _looking_after_region
     _outcomes.append((compiled, n_ops))
     if len(_outcomes) > passthrough_window:
         del _outcomes[0]

@@ -115,8 +115,9 @@ struct Result {
   // the shape of the result's storage (its array's) as the Python kernel's call left it, given
   // to the storage object so that it does not read the array's shape; nullptr: it reads it
   PyObject* shape = nullptr;
-  // >= 0: a padded result (padding.py), `sizes` its whole storage's: the tensor is the first n
-  // positions (the padded arguments' n, which the key leaves out) along this dimension
+  // >= 0: a padded result (padding.py), `sizes` and `strides` its whole storage's (row-major):
+  // the tensor is the first n positions (the padded arguments' n, which the key leaves out) along
+  // this dimension
   int64_t padded_dim = -1;
 };
 
@@ -207,6 +208,19 @@ struct Held {
   }
 };
 
+// The ints of `o`, a tuple of them (a storage's shape, its padding), in `out`; false otherwise.
+bool int_tuple(PyObject* o, std::vector<int64_t>& out) {
+  if (o == nullptr || !PyTuple_Check(o)) return false;
+  const Py_ssize_t n = PyTuple_GET_SIZE(o);
+  out.resize(n);
+  for (Py_ssize_t d = 0; d < n; d++) {
+    PyObject* s = PyTuple_GET_ITEM(o, d);
+    if (!PyLong_CheckExact(s)) return false;
+    out[d] = PyLong_AsLongLong(s);
+  }
+  return true;
+}
+
 // Whether `t` is the first n positions along one dimension of a padded storage of `shape` (B
 // along it, `stride` its stride): padding.padded_dim's dimension (the one of size n and that
 // stride, and no other such, from a multiple of B positions), in `h`; `whole` when t is
@@ -256,7 +270,7 @@ bool held(const at::Tensor& t, Held& h, bool recording, bool padded = false) {
   h.array = PyObject_GetAttr(h.storage, config->name_array);
   PyObject* shape = PyObject_GetAttr(h.storage, config->name_shape);
   PyObject* dtype = PyObject_GetAttr(h.storage, config->name_dtype);
-  // a padded storage (padding.py) takes its op's padding rule, in the Python kernel
+  // a padded storage (padding.py): held only for an op whose rule widens it (`padded`)
   PyObject* padding = PyObject_GetAttr(h.storage, config->name_padding);
   bool typed = dtype == reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type()));
   if (h.array == Py_None && typed && padding == Py_None) {
@@ -265,26 +279,12 @@ bool held(const at::Tensor& t, Held& h, bool recording, bool padded = false) {
     Py_DECREF(h.array);
     h.array = PyObject_CallMethodNoArgs(h.storage, config->name_value);
   }
-  int64_t pad[3] = {0, 0, 0};  // a padded storage's (n, B, stride)
-  bool padded_ok = padded && padding != nullptr && PyTuple_CheckExact(padding) && PyTuple_GET_SIZE(padding) == 3;
-  for (int j = 0; padded_ok && j < 3; j++) {
-    PyObject* w = PyTuple_GET_ITEM(padding, j);
-    padded_ok = PyLong_CheckExact(w);
-    pad[j] = padded_ok ? PyLong_AsLongLong(w) : 0;
-  }
+  std::vector<int64_t> pad;  // a padded storage's (n, B, stride)
+  const bool padded_ok = padded && padding != Py_None && int_tuple(padding, pad) && pad.size() == 3;
   bool ok = h.array != nullptr && shape != nullptr && dtype != nullptr && (padding == Py_None || padded_ok) &&
             (reinterpret_cast<PyObject*>(Py_TYPE(h.array)) == config->array_type ||
              (recording && reinterpret_cast<PyObject*>(Py_TYPE(h.array)) == config->pending_type)) &&
-            typed && PyTuple_Check(shape);
-  if (ok) {
-    Py_ssize_t n = PyTuple_GET_SIZE(shape);
-    h.storage_shape.resize(n);
-    for (Py_ssize_t d = 0; d < n && ok; d++) {
-      PyObject* s = PyTuple_GET_ITEM(shape, d);
-      ok = PyLong_CheckExact(s);
-      h.storage_shape[d] = ok ? PyLong_AsLongLong(s) : 0;
-    }
-  }
+            typed && int_tuple(shape, h.storage_shape);
   Py_XDECREF(shape);
   Py_XDECREF(dtype);
   Py_XDECREF(padding);
@@ -351,29 +351,22 @@ at::Tensor wrap(PyObject* array, const Result& r, bool recording, int64_t append
     return at::Tensor();
   }
   if (r.padded_dim < 0) return new_tensor(st, r.dtype, r.sizes, r.strides, r.nbytes);
-  // row-major over the whole storage, n positions along the padded dimension
-  c10::SmallVector<int64_t, 6> sizes(r.sizes.begin(), r.sizes.end());
-  c10::SmallVector<int64_t, 6> strides(sizes.size());
-  int64_t stride = 1;
-  for (int64_t d = static_cast<int64_t>(sizes.size()) - 1; d >= 0; d--) {
-    strides[d] = stride;
-    stride *= sizes[d];
-  }
-  PyObject* mark_args[4] = {st, PyLong_FromLongLong(padded_n), PyLong_FromLongLong(sizes[r.padded_dim]),
-                            PyLong_FromLongLong(strides[r.padded_dim])};
-  PyObject* none = mark_args[1] && mark_args[2] && mark_args[3]
+  const int64_t D = r.padded_dim;
+  PyObject* mark_args[4] = {st, PyLong_FromLongLong(padded_n), PyLong_FromLongLong(r.sizes[D]),
+                            PyLong_FromLongLong(r.strides[D])};
+  PyObject* none = padded_n >= 0 && mark_args[1] && mark_args[2] && mark_args[3]
                        ? PyObject_Vectorcall(config->mark_padded, mark_args, 4, nullptr)
                        : nullptr;
   for (int j = 1; j < 4; j++) Py_XDECREF(mark_args[j]);
-  if (none == nullptr || padded_n < 0) {
+  if (none == nullptr) {
     PyErr_Clear();
-    Py_XDECREF(none);
     Py_DECREF(st);
     return at::Tensor();
   }
   Py_DECREF(none);
-  sizes[r.padded_dim] = padded_n;
-  return new_tensor(st, r.dtype, sizes, strides, r.nbytes);
+  c10::SmallVector<int64_t, 6> sizes(r.sizes.begin(), r.sizes.end());
+  sizes[D] = padded_n;
+  return new_tensor(st, r.dtype, sizes, r.strides, r.nbytes);
 }
 
 // The `shape` of a result's storage object (a new reference), or nullptr: the same program
@@ -1200,23 +1193,19 @@ class HotKernel final : public c10::OperatorKernel {
     PyObject* padding = st != nullptr ? PyObject_GetAttr(st, config->name_padding) : nullptr;
     PyObject* shape = storage_shape(t);
     Held h;
-    bool ok = padding != nullptr && PyTuple_CheckExact(padding) && PyTuple_GET_SIZE(padding) == 3 && shape != nullptr;
-    int64_t pad[3] = {0, 0, 0};
-    for (int j = 0; ok && j < 3; j++) {
-      ok = PyLong_CheckExact(PyTuple_GET_ITEM(padding, j));
-      pad[j] = ok ? PyLong_AsLongLong(PyTuple_GET_ITEM(padding, j)) : 0;
-    }
-    std::vector<int64_t> storage_sizes;
-    for (Py_ssize_t d = 0; ok && d < PyTuple_GET_SIZE(shape); d++) {
-      ok = PyLong_CheckExact(PyTuple_GET_ITEM(shape, d));
-      storage_sizes.push_back(ok ? PyLong_AsLongLong(PyTuple_GET_ITEM(shape, d)) : 0);
-    }
+    std::vector<int64_t> pad, storage_sizes;
+    bool ok = int_tuple(padding, pad) && pad.size() == 3 && int_tuple(shape, storage_sizes);
     Py_XDECREF(padding);
     Py_XDECREF(st);
     Py_XDECREF(py_storage);
     if (PyErr_Occurred()) PyErr_Clear();
+    // row-major over the whole storage: the strides run() gives the result (n along the padded dimension)
+    std::vector<int64_t> strides(storage_sizes.size());
     int64_t numel = 1;
-    for (int64_t s : storage_sizes) numel *= s;
+    for (int64_t d = static_cast<int64_t>(storage_sizes.size()) - 1; d >= 0; d--) {
+      strides[d] = numel;
+      numel *= storage_sizes[d];
+    }
     ok = ok && pad[0] == n && padded_tensor(t, storage_sizes, pad[0], pad[1], pad[2], h) && h.whole &&
          t.storage().nbytes() == static_cast<size_t>(numel) * t.element_size();
     if (!ok) {
@@ -1225,8 +1214,8 @@ class HotKernel final : public c10::OperatorKernel {
     }
     PyObject* dtype_object = reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type()));
     Py_INCREF(dtype_object);
-    r = Result{t.scalar_type(), dtype_object, storage_sizes, numel * static_cast<int64_t>(t.element_size()), {}, true,
-               shape, h.padded_dim};
+    r = Result{t.scalar_type(), dtype_object, storage_sizes, numel * static_cast<int64_t>(t.element_size()),
+               std::move(strides), true, shape, h.padded_dim};
     return true;
   }
 
@@ -1455,13 +1444,10 @@ class FactoryKernel final : public c10::OperatorKernel {
     PyObject* shape = PyObject_GetAttr(storage, config->name_shape);
     PyObject* dtype = PyObject_GetAttr(storage, config->name_dtype);
     PyObject* padding = PyObject_GetAttr(storage, config->name_padding);
-    bool ok = shape != nullptr && dtype != nullptr && padding == Py_None && PyTuple_Check(shape) &&
-              dtype == reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type())) &&
-              PyTuple_GET_SIZE(shape) == t.dim();
-    for (int64_t i = 0; ok && i < t.dim(); i++) {
-      PyObject* s = PyTuple_GET_ITEM(shape, i);
-      ok = PyLong_CheckExact(s) && PyLong_AsLongLong(s) == t.size(i);
-    }
+    std::vector<int64_t> sizes;
+    bool ok = dtype != nullptr && padding == Py_None &&
+              dtype == reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type())) && int_tuple(shape, sizes) &&
+              t.sizes().equals(sizes);
     Py_XDECREF(shape);
     Py_XDECREF(dtype);
     Py_XDECREF(padding);
