@@ -676,6 +676,82 @@ def test_foreach_ops_and_an_optimizer_step(mode):
         torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6)
 
 
+def python_frames(fn, names):
+    """(fn's result, the calls of Python functions named in `names` while it ran, by name)."""
+    calls = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_name in names:
+            calls.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        out = fn()
+    finally:
+        sys.setprofile(None)
+    return out, calls
+
+
+@needs_hot_path
+def test_fused_mode_records_the_ops_it_serves_from_cpp(monkeypatch):
+    """Once a key's node is known, the hot path adds it to the pending graph itself (no
+    record_keyed or _add_node frame): the graph is the one the Python recorder builds, an array
+    passed twice is one input, a list op's results come back as its lists, and a graph at
+    max_ops flushes."""
+    from torchpjrt import fusion
+
+    a = torch.randn(6, 5, device="pjrt")
+    xs = [torch.randn(4, device="pjrt") for _ in range(3)]
+    ac, xc = a.cpu(), [x.cpu() for x in xs]
+
+    def body():
+        b = (a * a + 2.5).tanh()  # `a` twice, a Python number
+        c = b.sum(0) * 0.5
+        ys = torch._foreach_mul(xs, 3.0)  # a list op: its node has lists in and out
+        zs = torch._foreach_add(ys, xs, alpha=2.0)
+        return b, c, ys, zs
+
+    def check(out):
+        b, c, ys, zs = out
+        bc = (ac * ac + 2.5).tanh()
+        cc = bc.sum(0) * 0.5
+        torch.testing.assert_close(b.cpu(), bc)
+        torch.testing.assert_close(c.cpu(), cc)
+        for y, z, x in zip(ys, zs, xc):
+            torch.testing.assert_close(y.cpu(), x * 3.0)
+            torch.testing.assert_close(z.cpu(), x * 5.0)
+
+    check(body())  # strict: the hot path learns the keys
+    keys = []
+    graph_key = fusion._GraphKey
+
+    def key(parts):
+        keys.append(graph_key(parts))
+        return keys[-1]
+
+    monkeypatch.setattr(fusion, "_GraphKey", key)
+    names = {"record_keyed", "_add_node"}
+    with torchpjrt.eager_mode("fused"):
+        out, first = python_frames(body, names)  # recorded through record_keyed: nodes looked up
+        assert "record_keyed" in first
+        fusion.flush("test")
+        check(out)
+        for _ in range(2):
+            out, later = python_frames(body, names)
+            assert later == [], later
+            assert torchpjrt.eager_stats()["ops_pending"] >= 6
+            fusion.flush("test")
+            check(out)
+        assert keys[-1] == keys[-2] == keys[-3]  # the same graph as record_keyed's
+        arrays = [sig for sig in keys[-1].parts[3] if isinstance(sig, tuple)]
+        assert len(arrays) == 4  # `a` once, and the list's three
+        monkeypatch.setattr(fusion, "max_ops", 3)
+        flushes = torchpjrt.eager_stats()["flush_reasons"].get("max_ops", 0)
+        out, later = python_frames(body, names)
+        assert later == [] and torchpjrt.eager_stats()["flush_reasons"]["max_ops"] > flushes
+        check(out)
+
+
 def python_kernel_calls(fn):
     """(fn's result, the aten ops whose Python kernels ran while it ran, in order)."""
     ops = []

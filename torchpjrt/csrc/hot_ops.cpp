@@ -26,6 +26,7 @@
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/Storage.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/tensor_memoryformats.h>
 #include <torch/library.h>
@@ -44,6 +45,42 @@ py::object toPyObject(c10::IValue ivalue);  // torch_python's own conversion (py
 }
 
 namespace {
+
+// The attributes of a __slots__ class read and written through their member descriptors, without
+// an attribute lookup: fused mode's graph (fusion._Graph) and its values (fusion.Pending), at
+// every op recorded here.
+struct Slots {
+  PyTypeObject* type = nullptr;
+  std::vector<PyObject*> descriptors;
+  // false (and the Slots unusable) unless every name is a slot of `cls`
+  bool load(PyObject* cls, std::initializer_list<const char*> names) {
+    if (cls == nullptr || !PyType_Check(cls)) return false;
+    for (const char* name : names) {
+      PyObject* d = PyObject_GetAttrString(cls, name);
+      if (d == nullptr || Py_TYPE(d) != &PyMemberDescr_Type) {
+        Py_XDECREF(d);
+        PyErr_Clear();
+        descriptors.clear();
+        return false;
+      }
+      descriptors.push_back(d);
+    }
+    type = reinterpret_cast<PyTypeObject*>(cls);
+    Py_INCREF(cls);
+    return true;
+  }
+  bool loaded() const { return type != nullptr; }
+  PyObject* get(PyObject* o, int i) const {  // a new reference, or nullptr with an error
+    return Py_TYPE(descriptors[i])->tp_descr_get(descriptors[i], o, reinterpret_cast<PyObject*>(type));
+  }
+  bool set(PyObject* o, int i, PyObject* v) const {
+    return Py_TYPE(descriptors[i])->tp_descr_set(descriptors[i], o, v) == 0;
+  }
+};
+
+// fusion._Graph's and fusion.Pending's slots this file uses, in Slots order
+enum GraphSlot { kNodes, kRunners, kInputs, kInputSlots, kInputSigs, kInputIds, kOutputs, kNSlots, kTask };
+enum PendingSlot { kPendingShape, kPendingDtype, kPendingWeakType, kPendingGraph, kPendingSlot, kPendingValue };
 
 // What the Python side tells this kernel once (torchpjrt_hot_configure).
 struct Config {
@@ -72,6 +109,19 @@ struct Config {
   PyObject* name_add_node = nullptr;
   PyObject* name_args = nullptr;
   PyObject* name_traceable = nullptr;
+  PyObject* name_graph = nullptr;
+  PyObject* name_lock = nullptr;
+  PyObject* name_max_ops = nullptr;
+  PyObject* name_flush = nullptr;
+  PyObject* name_acquire = nullptr;
+  PyObject* name_release = nullptr;
+  PyObject* name_aval = nullptr;
+  PyObject* name_weak_type = nullptr;
+  PyObject* name_unflatten = nullptr;
+  PyObject* flush_reason = nullptr;  // "max_ops"
+  PyObject* no_arguments = nullptr;  // ()
+  Slots graph;    // fusion._Graph (not loaded: every record goes through fusion._add_node)
+  Slots pending;  // fusion.Pending
   c10::Allocator* allocator = nullptr;  // the one PyTorch's Python backend gives its storages
 };
 
@@ -935,14 +985,19 @@ class HotKernel final : public c10::OperatorKernel {
       Py_XDECREF(loaded);
       return result;
     }
+    if (e.node != nullptr && config->graph.loaded()) {
+      PyObject* pendings = record_node(e, dyn);
+      if (pendings != nullptr || PyErr_Occurred()) return pendings;
+    }
     PyObject* list = PyList_New(dyn.size());
     if (list == nullptr) return nullptr;
     for (int i = 0; i < dyn.size(); i++) {
       Py_INCREF(dyn.items[i]);
       PyList_SET_ITEM(list, i, dyn.items[i]);
     }
-    PyObject* add_node = e.node != nullptr ? PyDict_GetItemWithError(config->records.first, config->name_add_node)
-                                           : nullptr;  // borrowed
+    const bool flat = e.node != nullptr && PyTuple_GET_ITEM(e.node, 3) == Py_True && PyTuple_GET_ITEM(e.node, 4) == Py_None;
+    PyObject* add_node = flat ? PyDict_GetItemWithError(config->records.first, config->name_add_node)
+                              : nullptr;  // borrowed
     PyObject* result = nullptr;
     if (add_node != nullptr) {
       PyObject* node_args[5] = {PyTuple_GET_ITEM(e.node, 0), e.program, PyTuple_GET_ITEM(e.node, 1), list,
@@ -960,6 +1015,226 @@ class HotKernel final : public c10::OperatorKernel {
     return result;
   }
 
+  // fusion._add_node's work, done here for a key whose node is known (e.node): the pending
+  // graph gets the node, and the results' Pendings come back as a tuple (a new reference).
+  // nullptr without an error set when _add_node must record it instead (the first node of an
+  // autograd pass, which may flush the forward; a value of a graph that never ran; an argument of
+  // a kind signature_of reads in Python), or with an error.
+  static PyObject* record_node(const Entry& e, Arguments& dyn) {
+    PyObject* fusion = config->records.first;
+    c10::SmallVector<PyObject*, 16> leaves;  // borrowed
+    PyObject* lock = PyDict_GetItemWithError(fusion, config->name_lock);  // borrowed
+    PyObject* acquired = lock != nullptr ? PyObject_CallMethodNoArgs(lock, config->name_acquire) : nullptr;
+    if (acquired == nullptr) return nullptr;
+    Py_DECREF(acquired);
+    bool full = false;
+    PyObject* pendings = leaves_of(e, dyn, leaves) ? record_locked(e, leaves, full) : nullptr;
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyObject* released = PyObject_CallMethodNoArgs(lock, config->name_release);
+    Py_XDECREF(released);
+    if (released == nullptr) {
+      Py_XDECREF(type);
+      Py_XDECREF(value);
+      Py_XDECREF(traceback);
+      Py_XDECREF(pendings);
+      return nullptr;
+    }
+    PyErr_Restore(type, value, traceback);
+    if (full && pendings != nullptr) {  // as _add_node: the graph reached max_ops
+      PyObject* flush = PyDict_GetItemWithError(fusion, config->name_flush);  // borrowed
+      PyObject* none = flush != nullptr ? PyObject_CallOneArg(flush, config->flush_reason) : nullptr;
+      if (none == nullptr) Py_CLEAR(pendings);
+      Py_XDECREF(none);
+    }
+    PyObject* out_treedef = PyTuple_GET_ITEM(e.node, 4);
+    if (pendings == nullptr || out_treedef == Py_None) return pendings;
+    PyObject* structured = PyObject_CallMethodOneArg(out_treedef, config->name_unflatten, pendings);  // as record_keyed
+    Py_DECREF(pendings);
+    return structured;
+  }
+
+  // The call's arguments as jax.tree_util.tree_leaves sees them (borrowed, in `leaves`): the
+  // program's arguments, or for a list op the items of its list arguments; false for any other
+  // structure (left to record_keyed).
+  static bool leaves_of(const Entry& e, Arguments& dyn, c10::SmallVector<PyObject*, 16>& leaves) {
+    const bool flat = PyTuple_GET_ITEM(e.node, 3) == Py_True;
+    for (PyObject* x : dyn.items) {
+      if (flat) {
+        leaves.push_back(x);
+        continue;
+      }
+      if (x == Py_None || PyDict_Check(x)) return false;  // no leaves, or keyed ones
+      if (!PyList_CheckExact(x) && !PyTuple_CheckExact(x)) {
+        if (PyList_Check(x) || PyTuple_Check(x)) return false;  // a named tuple: a pytree of its own
+        leaves.push_back(x);
+        continue;
+      }
+      for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(x); i++) {
+        PyObject* item = PySequence_Fast_GET_ITEM(x, i);
+        if (item == Py_None || PyList_Check(item) || PyTuple_Check(item) || PyDict_Check(item)) return false;
+        leaves.push_back(item);
+      }
+    }
+    return true;
+  }
+
+  // signature_of(x) (a new reference) for an argument `signable` accepts: (shape, dtype,
+  // weak_type) of a jax array, else the type of a number (its value is traced); nullptr for
+  // another argument or with an error.
+  static PyObject* signature(PyObject* x) {
+    if (reinterpret_cast<PyObject*>(Py_TYPE(x)) == config->array_type) {
+      PyObject* aval = PyObject_GetAttr(x, config->name_aval);
+      if (aval == nullptr) return nullptr;
+      PyObject* shape = PyObject_GetAttr(aval, config->name_shape);
+      PyObject* dtype = PyObject_GetAttr(aval, config->name_dtype);
+      PyObject* weak = PyObject_GetAttr(aval, config->name_weak_type);
+      PyObject* sig = shape && dtype && weak ? PyTuple_Pack(3, shape, dtype, weak) : nullptr;
+      Py_DECREF(aval);
+      Py_XDECREF(shape);
+      Py_XDECREF(dtype);
+      Py_XDECREF(weak);
+      return sig;
+    }
+    if (signable(x)) {
+      Py_INCREF(Py_TYPE(x));
+      return reinterpret_cast<PyObject*>(Py_TYPE(x));
+    }
+    return nullptr;
+  }
+
+  static bool signable(PyObject* x) {
+    return reinterpret_cast<PyObject*>(Py_TYPE(x)) == config->array_type || PyFloat_CheckExact(x) ||
+           PyLong_CheckExact(x) || PyBool_Check(x) || PyComplex_CheckExact(x) ||
+           reinterpret_cast<PyObject*>(Py_TYPE(x)) == config->int64_type;
+  }
+
+  static PyObject* record_locked(const Entry& e, const c10::SmallVector<PyObject*, 16>& leaves, bool& full) {
+    const int n_leaves = static_cast<int>(leaves.size());
+    const Slots& G = config->graph;
+    const Slots& P = config->pending;
+    PyObject* g = PyDict_GetItemWithError(config->records.first, config->name_graph);  // borrowed
+    if (g == nullptr || Py_TYPE(g) != G.type) return nullptr;
+    // the graph's own autograd pass, or _add_node (which flushes a forward a backward follows)
+    PyObject* task = G.get(g, kTask);
+    if (task == nullptr) return nullptr;
+    const long long graph_task = PyLong_AsLongLong(task);
+    Py_DECREF(task);
+    if (graph_task != torch::autograd::get_current_graph_task_id()) return nullptr;
+    // each argument: a value of this graph (its slot), or a computed one (the Pending's value)
+    Arguments values;
+    std::vector<long long> pending_slots(n_leaves, -1);
+    for (int i = 0; i < n_leaves; i++) {
+      PyObject* x = leaves[i];
+      if (reinterpret_cast<PyObject*>(Py_TYPE(x)) == config->pending_type) {
+        PyObject* value = P.get(x, kPendingValue);
+        if (value == nullptr) return nullptr;
+        if (value != Py_None) {
+          values.push(value);
+          if (!signable(value)) return nullptr;
+          continue;
+        }
+        Py_DECREF(value);
+        PyObject* graph = P.get(x, kPendingGraph);
+        PyObject* slot = graph == g ? P.get(x, kPendingSlot) : nullptr;
+        Py_XDECREF(graph);
+        if (slot == nullptr) return nullptr;  // another graph's, never computed: _add_node says why
+        pending_slots[i] = PyLong_AsLongLong(slot);
+        Py_DECREF(slot);
+        Py_INCREF(Py_None);
+        values.push(Py_None);
+        continue;
+      }
+      if (!signable(x)) return nullptr;  // signature_of reads it (a numpy array, another array type)
+      Py_INCREF(x);
+      values.push(x);
+    }
+    Arguments lists;  // nodes, runners, inputs, input_slots, input_sigs, input_ids, outputs
+    for (int s = kNodes; s <= kOutputs; s++)
+      if (!lists.push(G.get(g, s))) return nullptr;
+    PyObject* input_ids = lists.items[kInputIds];
+    PyObject* n_slots_object = G.get(g, kNSlots);
+    if (n_slots_object == nullptr) return nullptr;
+    long long n_slots = PyLong_AsLongLong(n_slots_object);
+    Py_DECREF(n_slots_object);
+    PyObject* refs = PyTuple_New(n_leaves);
+    if (refs == nullptr) return nullptr;
+    Arguments held_refs;
+    held_refs.push(refs);
+    for (int i = 0; i < n_leaves; i++) {
+      long long slot = pending_slots[i];
+      PyObject* x = values.items[i];
+      if (slot < 0) {  // _Graph.input_slot: an array passed twice is one input
+        const bool is_array = reinterpret_cast<PyObject*>(Py_TYPE(x)) == config->array_type;
+        PyObject* id = is_array ? PyLong_FromVoidPtr(x) : nullptr;
+        if (is_array && id == nullptr) return nullptr;
+        PyObject* known = is_array ? PyDict_GetItemWithError(input_ids, id) : nullptr;  // borrowed
+        if (known != nullptr) {
+          slot = PyLong_AsLongLong(known);
+        } else {
+          PyObject* sig = PyErr_Occurred() ? nullptr : signature(x);
+          if (sig == nullptr) {
+            Py_XDECREF(id);
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "torchpjrt: no signature for a recorded input");
+            return nullptr;
+          }
+          slot = n_slots++;
+          PyObject* slot_object = PyLong_FromLongLong(slot);
+          bool ok = slot_object != nullptr && PyList_Append(lists.items[kInputs], x) == 0 &&
+                    PyList_Append(lists.items[kInputSlots], slot_object) == 0 &&
+                    PyList_Append(lists.items[kInputSigs], sig) == 0 &&
+                    (!is_array || PyDict_SetItem(input_ids, id, slot_object) == 0);
+          Py_XDECREF(slot_object);
+          Py_DECREF(sig);
+          if (!ok) {
+            Py_XDECREF(id);
+            return nullptr;
+          }
+        }
+        Py_XDECREF(id);
+      }
+      PyObject* slot_object = PyLong_FromLongLong(slot);
+      if (slot_object == nullptr) return nullptr;
+      PyTuple_SET_ITEM(refs, i, slot_object);
+    }
+    PyObject* avals = PyTuple_GET_ITEM(e.node, 2);
+    const Py_ssize_t n_out = PySequence_Fast_GET_SIZE(avals);  // a list, from _output_avals
+    const long long first = n_slots;
+    Arguments made;  // first, the new n_slots, the node, then the Pendings
+    if (!made.push(PyLong_FromLongLong(first)) || !made.push(PyLong_FromLongLong(n_slots + n_out)) ||
+        !G.set(g, kNSlots, made.items[1]))
+      return nullptr;
+    if (!made.push(PyTuple_Pack(4, PyTuple_GET_ITEM(e.node, 0), PyTuple_GET_ITEM(e.node, 1), refs, made.items[0])) ||
+        PyList_Append(lists.items[kNodes], made.items[2]) != 0 || PyList_Append(lists.items[kRunners], e.program) != 0)
+      return nullptr;
+    PyObject* out = PyTuple_New(n_out);
+    if (out == nullptr) return nullptr;
+    for (Py_ssize_t i = 0; i < n_out; i++) {
+      PyObject* aval = PySequence_Fast_GET_ITEM(avals, i);  // (shape, dtype, weak_type)
+      PyTypeObject* type = P.type;
+      PyObject* p = type->tp_new(type, config->no_arguments, nullptr);  // Pending.__init__'s work below
+      PyObject* slot = PyLong_FromLongLong(first + i);
+      PyObject* ref = p != nullptr ? PyWeakref_NewRef(p, nullptr) : nullptr;
+      bool ok = slot != nullptr && ref != nullptr && PyTuple_Check(aval) && PyTuple_GET_SIZE(aval) == 3 &&
+                P.set(p, kPendingShape, PyTuple_GET_ITEM(aval, 0)) && P.set(p, kPendingDtype, PyTuple_GET_ITEM(aval, 1)) &&
+                P.set(p, kPendingWeakType, PyTuple_GET_ITEM(aval, 2)) && P.set(p, kPendingGraph, g) &&
+                P.set(p, kPendingSlot, slot) && P.set(p, kPendingValue, Py_None) &&
+                PyList_Append(lists.items[kOutputs], ref) == 0;
+      Py_XDECREF(slot);
+      Py_XDECREF(ref);
+      if (p != nullptr) PyTuple_SET_ITEM(out, i, p);
+      if (!ok) {
+        Py_DECREF(out);
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "torchpjrt: a recorded op's result signature is malformed");
+        return nullptr;
+      }
+    }
+    PyObject* max_ops = PyDict_GetItemWithError(config->records.first, config->name_max_ops);  // borrowed
+    full = max_ops != nullptr && PyList_GET_SIZE(lists.items[kNodes]) >= PyLong_AsLongLong(max_ops);
+    if (PyErr_Occurred()) PyErr_Clear();
+    return out;
+  }
+
   // After a first record through `recorder` (functools.partial(record_keyed, avals_cache, key,
   // program)): its cache entry (traced, treedef, flat_in, out_treedef, avals, flat_out) for the key.
   static void look_up_node(const Entry& e) {
@@ -968,9 +1243,10 @@ class HotKernel final : public c10::OperatorKernel {
     PyObject* entry = nullptr;
     if (args != nullptr && PyTuple_Check(args) && PyTuple_GET_SIZE(args) == 3 && PyDict_Check(PyTuple_GET_ITEM(args, 0)))
       entry = PyDict_GetItemWithError(PyTuple_GET_ITEM(args, 0), PyTuple_GET_ITEM(args, 1));  // borrowed
-    if (entry != nullptr && PyTuple_Check(entry) && PyTuple_GET_SIZE(entry) == 6 &&
-        PyTuple_GET_ITEM(entry, 2) == Py_True && PyTuple_GET_ITEM(entry, 5) == Py_True)
-      e.node = PyTuple_Pack(3, PyTuple_GET_ITEM(entry, 0), PyTuple_GET_ITEM(entry, 1), PyTuple_GET_ITEM(entry, 4));
+    if (entry != nullptr && PyTuple_Check(entry) && PyTuple_GET_SIZE(entry) == 6)
+      e.node = PyTuple_Pack(5, PyTuple_GET_ITEM(entry, 0), PyTuple_GET_ITEM(entry, 1), PyTuple_GET_ITEM(entry, 4),
+                            PyTuple_GET_ITEM(entry, 2) == Py_True ? Py_True : Py_False,
+                            PyTuple_GET_ITEM(entry, 5) == Py_True ? Py_None : PyTuple_GET_ITEM(entry, 3));
     Py_XDECREF(args);
     if (PyErr_Occurred()) PyErr_Clear();
   }
@@ -1614,6 +1890,22 @@ int torchpjrt_hot_configure(PyObject* storage_class, PyObject* array_type, PyObj
   c->name_add_node = PyUnicode_InternFromString("_add_node");
   c->name_args = PyUnicode_InternFromString("args");
   c->name_traceable = PyUnicode_InternFromString("traceable");
+  c->name_graph = PyUnicode_InternFromString("_graph");
+  c->name_lock = PyUnicode_InternFromString("_lock");
+  c->name_max_ops = PyUnicode_InternFromString("max_ops");
+  c->name_flush = PyUnicode_InternFromString("flush");
+  c->name_acquire = PyUnicode_InternFromString("acquire");
+  c->name_release = PyUnicode_InternFromString("release");
+  c->name_aval = PyUnicode_InternFromString("aval");
+  c->name_weak_type = PyUnicode_InternFromString("weak_type");
+  c->name_unflatten = PyUnicode_InternFromString("unflatten");
+  c->flush_reason = PyUnicode_InternFromString("max_ops");
+  c->no_arguments = PyTuple_New(0);
+  PyObject* graph_class = PyDict_GetItemString(c->records.first, "_Graph");  // borrowed
+  if (!(c->pending.load(pending_type, {"shape", "dtype", "weak_type", "graph", "slot", "value"}) &&
+        c->graph.load(graph_class, {"nodes", "runners", "inputs", "input_slots", "input_sigs", "input_ids", "outputs",
+                                    "n_slots", "task"})))
+    c->graph = Slots();  // records go through fusion._add_node
   config = c.release();
   return 0;
 }
