@@ -62,6 +62,14 @@ def test_results_are_new_tensors_as_the_python_kernel_makes_them():
     assert c.data_ptr() >= 2**60 and c.data_ptr() % 256 == 0
     d = a * 3.0
     assert len({c.data_ptr(), d.data_ptr(), a.data_ptr()}) == 3  # each storage its own address
+    # its storage object has every attribute Storage.__init__ gives one, with the same values
+    from torchpjrt.storage import Storage
+
+    made = c.untyped_storage()._pjrt
+    reference = Storage(made.array, torch.float32, (3, 4))
+    assert type(made) is Storage
+    assert {k: getattr(made, k) for k in Storage.__slots__ if k != "__weakref__"} == \
+        {k: getattr(reference, k) for k in Storage.__slots__ if k != "__weakref__"}
     # the new tensor is an ordinary pjrt tensor: views, in-place writes, host reads
     c[0].fill_(1.0)
     c.view(12)[5] = 7.0
@@ -737,10 +745,15 @@ def test_fused_mode_records_the_ops_it_serves_from_cpp(monkeypatch):
         fusion.flush("test")
         check(out)
         for _ in range(2):
-            out, later = python_frames(body, names)
-            assert later == [], later
+            out, later = python_frames(body, names | {"__init__", "track"})
+            assert later == [], later  # Storage.__init__ and fusion.track's work done in C++ too
             assert torchpjrt.eager_stats()["ops_pending"] >= 6
+            # each result's storage is listed once in the graph, which gives it the computed array
+            live = [st for st in (r() for r in fusion._graph.storages) if st is not None]
+            assert len(live) == len({id(st) for st in live}) >= 6
+            assert all(type(st.array) is fusion.Pending for st in live)
             fusion.flush("test")
+            assert all(type(st.array) is not fusion.Pending for st in live)
             check(out)
         assert keys[-1] == keys[-2] == keys[-3]  # the same graph as record_keyed's
         arrays = [sig for sig in keys[-1].parts[3] if isinstance(sig, tuple)]

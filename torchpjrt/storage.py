@@ -40,6 +40,7 @@ class Storage:
                  "tracked_in", "__weakref__")
 
     def __init__(self, array, dtype: torch.dtype, shape=None, device=0):
+        # (the hot path, csrc/hot_ops.cpp new_storage, sets these same slots for its results)
         self.array = array  # None until first written: an uninitialized (empty) storage
         self.device = device  # the pjrt index an uninitialized storage materializes on
         self.tracked_in = 0  # the serial of the fused graph that swaps its value in (fusion.track)

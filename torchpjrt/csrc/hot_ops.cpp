@@ -79,7 +79,10 @@ struct Slots {
 };
 
 // fusion._Graph's and fusion.Pending's slots this file uses, in Slots order
-enum GraphSlot { kNodes, kRunners, kInputs, kInputSlots, kInputSigs, kInputIds, kOutputs, kNSlots, kTask };
+enum GraphSlot { kNodes, kRunners, kInputs, kInputSlots, kInputSigs, kInputIds, kOutputs, kNSlots, kTask, kSerial,
+                 kStorages };
+// storage.Storage's, in Slots order
+enum StorageSlot { kArray, kShape, kDtype, kVersion, kViews, kRaw, kDevice, kPadding, kAppendedAlong, kTrackedIn };
 enum PendingSlot { kPendingShape, kPendingDtype, kPendingWeakType, kPendingGraph, kPendingSlot, kPendingValue };
 
 // What the Python side tells this kernel once (torchpjrt_hot_configure).
@@ -122,6 +125,8 @@ struct Config {
   PyObject* no_arguments = nullptr;  // ()
   Slots graph;    // fusion._Graph (not loaded: every record goes through fusion._add_node)
   Slots pending;  // fusion.Pending
+  Slots storage;  // storage.Storage (not loaded: its __init__ makes each)
+  PyObject* zero = nullptr;  // 0
   c10::Allocator* allocator = nullptr;  // the one PyTorch's Python backend gives its storages
 };
 
@@ -382,6 +387,58 @@ at::Tensor new_tensor(PyObject* st, c10::ScalarType dtype, c10::IntArrayRef size
   return t;
 }
 
+// fusion.track(storage, pending): a storage given a recorded value is listed once in its graph,
+// which swaps the computed array in when it runs. False with an error set.
+bool track(PyObject* st, PyObject* pending) {
+  const Slots& G = config->graph;
+  const Slots& P = config->pending;
+  const Slots& S = config->storage;
+  PyObject* g = P.get(pending, kPendingGraph);
+  if (g == nullptr) return false;
+  bool ok = Py_TYPE(g) == G.type;
+  PyObject* serial = ok ? G.get(g, kSerial) : nullptr;
+  PyObject* tracked_in = serial != nullptr ? S.get(st, kTrackedIn) : nullptr;
+  ok = tracked_in != nullptr;
+  if (ok) {
+    const int same = PyObject_RichCompareBool(tracked_in, serial, Py_EQ);
+    ok = same >= 0;
+    if (ok && !same) {
+      PyObject* storages = G.get(g, kStorages);
+      PyObject* ref = storages != nullptr ? PyWeakref_NewRef(st, nullptr) : nullptr;
+      ok = ref != nullptr && S.set(st, kTrackedIn, serial) && PyList_Append(storages, ref) == 0;
+      Py_XDECREF(ref);
+      Py_XDECREF(storages);
+    }
+  }
+  PyObject* value = ok ? P.get(pending, kPendingValue) : nullptr;  // its graph ran already
+  ok = value != nullptr && (value == Py_None || S.set(st, kArray, value));
+  Py_XDECREF(value);
+  Py_XDECREF(tracked_in);
+  Py_XDECREF(serial);
+  Py_DECREF(g);
+  if (!ok && !PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "torchpjrt: a recorded value has no graph");
+  return ok;
+}
+
+// storage.Storage(array, dtype, shape) for a result (a new reference, or nullptr with an error):
+// Storage.__init__'s work without its Python frame, `shape` a tuple (the array's).
+PyObject* new_storage(PyObject* array, PyObject* dtype, PyObject* shape) {
+  const Slots& S = config->storage;
+  if (!S.loaded() || shape == nullptr || !PyTuple_CheckExact(shape)) {
+    PyObject* args[3] = {array, dtype, shape};
+    return PyObject_Vectorcall(config->storage_class, args, shape != nullptr ? 3 : 2, nullptr);
+  }
+  PyObject* st = S.type->tp_new(S.type, config->no_arguments, nullptr);
+  if (st == nullptr) return nullptr;
+  const bool ok = S.set(st, kArray, array) && S.set(st, kDevice, config->zero) && S.set(st, kTrackedIn, config->zero) &&
+                  S.set(st, kShape, shape) && S.set(st, kDtype, dtype) && S.set(st, kVersion, config->zero) &&
+                  S.set(st, kViews, Py_None) && S.set(st, kRaw, Py_False) && S.set(st, kPadding, Py_None) &&
+                  S.set(st, kAppendedAlong, Py_None) &&
+                  (reinterpret_cast<PyObject*>(Py_TYPE(array)) != config->pending_type || track(st, array));
+  if (!ok) Py_CLEAR(st);
+  return st;
+}
+
 // `array` (a recorded value while recording) as a new pjrt tensor (storage.wrap), or an
 // undefined tensor; `appended_along` >= 0: its storage marked as a first append's (cat). A padded
 // result (r.padded_dim) is the first `padded_n` positions of its storage, marked as padding._mark
@@ -389,8 +446,7 @@ at::Tensor new_tensor(PyObject* st, c10::ScalarType dtype, c10::IntArrayRef size
 at::Tensor wrap(PyObject* array, const Result& r, bool recording, int64_t appended_along = -1, int64_t padded_n = -1) {
   if (reinterpret_cast<PyObject*>(Py_TYPE(array)) != (recording ? config->pending_type : config->array_type))
     return at::Tensor();
-  PyObject* new_args[3] = {array, r.dtype_object, r.shape};
-  PyObject* st = PyObject_Vectorcall(config->storage_class, new_args, r.shape != nullptr ? 3 : 2, nullptr);
+  PyObject* st = new_storage(array, r.dtype_object, r.shape);
   if (st != nullptr && appended_along >= 0) {
     PyObject* along = PyLong_FromLongLong(appended_along);
     if (along == nullptr || PyObject_SetAttr(st, config->name_appended_along, along) != 0) Py_CLEAR(st);
@@ -1904,8 +1960,12 @@ int torchpjrt_hot_configure(PyObject* storage_class, PyObject* array_type, PyObj
   PyObject* graph_class = PyDict_GetItemString(c->records.first, "_Graph");  // borrowed
   if (!(c->pending.load(pending_type, {"shape", "dtype", "weak_type", "graph", "slot", "value"}) &&
         c->graph.load(graph_class, {"nodes", "runners", "inputs", "input_slots", "input_sigs", "input_ids", "outputs",
-                                    "n_slots", "task"})))
+                                    "n_slots", "task", "serial", "storages"})))
     c->graph = Slots();  // records go through fusion._add_node
+  if (!c->graph.loaded() || !c->storage.load(storage_class, {"array", "shape", "dtype", "version", "views", "raw", "device",
+                                                             "padding", "appended_along", "tracked_in"}))
+    c->storage = Slots();
+  c->zero = PyLong_FromLong(0);
   config = c.release();
   return 0;
 }
