@@ -438,6 +438,16 @@ def test_in_place_forms_write_their_target_as_the_python_kernel_does():
     torch.testing.assert_close(a.cpu(), ac)
     torch.testing.assert_close(view.cpu(), ac.view(20))
     assert a.data_ptr() == address and a._version == version + 6
+    # the target's storage object as Storage.replace leaves it (written from C++): a new array
+    # and version, no materialized views (the view's read above made one)
+    st = a.untyped_storage()._pjrt
+    storage_version, array = st.version, st.array
+    assert st.views
+    _, calls = python_frames(lambda: a.add_(b, alpha=0.5), {"replace", "_hold"})
+    assert calls == [] and st.version == storage_version + 1 and st.views is None and st.array is not array
+    assert st.shape == (4, 5) and st.padding is None
+    ac.add_(bc, alpha=0.5)
+    torch.testing.assert_close(view.cpu(), ac.view(20))
     # broadcasting into the target, a view target, a float64 other into float32: as on CPU
     row = torch.randn(5, device="pjrt")
     for _ in range(2):

@@ -307,6 +307,13 @@ bool padded_tensor(const at::Tensor& t, const std::vector<int64_t>& shape, int64
   return true;
 }
 
+// A storage object's attribute (a new reference, or nullptr with an error): through its slot for
+// a storage.Storage, else by name.
+PyObject* storage_attr(PyObject* st, int slot, PyObject* name) {
+  if (Py_TYPE(st) == config->storage.type) return config->storage.get(st, slot);
+  return PyObject_GetAttr(st, name);
+}
+
 // `padded`: a padded storage's tensor may be held (padded_whole), for an op whose padding rule
 // only widens its arguments (code 'p').
 bool held(const at::Tensor& t, Held& h, bool recording, bool padded = false) {
@@ -322,11 +329,11 @@ bool held(const at::Tensor& t, Held& h, bool recording, bool padded = false) {
     PyErr_Clear();
     return false;
   }
-  h.array = PyObject_GetAttr(h.storage, config->name_array);
-  PyObject* shape = PyObject_GetAttr(h.storage, config->name_shape);
-  PyObject* dtype = PyObject_GetAttr(h.storage, config->name_dtype);
+  h.array = storage_attr(h.storage, kArray, config->name_array);
+  PyObject* shape = storage_attr(h.storage, kShape, config->name_shape);
+  PyObject* dtype = storage_attr(h.storage, kDtype, config->name_dtype);
   // a padded storage (padding.py): held only for an op whose rule widens it (`padded`)
-  PyObject* padding = PyObject_GetAttr(h.storage, config->name_padding);
+  PyObject* padding = storage_attr(h.storage, kPadding, config->name_padding);
   bool typed = dtype == reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type()));
   if (h.array == Py_None && typed && padding == Py_None) {
     // an uninitialized storage (torch.empty): materialized as the Python kernel's read does
@@ -437,6 +444,38 @@ PyObject* new_storage(PyObject* array, PyObject* dtype, PyObject* shape) {
                   (reinterpret_cast<PyObject*>(Py_TYPE(array)) != config->pending_type || track(st, array));
   if (!ok) Py_CLEAR(st);
   return st;
+}
+
+// Storage.replace(array) without its Python frames: the storage holds `array` (a recorded value
+// listed in its graph, as _hold lists it), a new version, no materialized views, and a new shape
+// drops its padding. False with an error set.
+bool replace_array(PyObject* st, PyObject* array) {
+  const Slots& S = config->storage;
+  PyObject* shape = Py_TYPE(st) == S.type ? PyObject_GetAttr(array, config->name_shape) : nullptr;
+  if (shape == nullptr || !PyTuple_CheckExact(shape)) {
+    Py_XDECREF(shape);
+    PyErr_Clear();
+    PyObject* none = PyObject_CallMethodOneArg(st, config->name_replace, array);
+    Py_XDECREF(none);
+    return none != nullptr;
+  }
+  PyObject* old_shape = S.get(st, kShape);
+  PyObject* version = old_shape != nullptr ? S.get(st, kVersion) : nullptr;
+  PyObject* next = version != nullptr && PyLong_CheckExact(version) ? PyLong_FromLongLong(PyLong_AsLongLong(version) + 1)
+                                                                    : nullptr;
+  bool ok = next != nullptr && S.set(st, kArray, array) &&
+            (reinterpret_cast<PyObject*>(Py_TYPE(array)) != config->pending_type || track(st, array));
+  if (ok) {
+    const int same = PyObject_RichCompareBool(shape, old_shape, Py_EQ);
+    ok = same >= 0 && (same || (S.set(st, kShape, shape) && S.set(st, kPadding, Py_None))) &&
+         S.set(st, kVersion, next) && S.set(st, kViews, Py_None);
+  }
+  if (!ok && !PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "torchpjrt: a storage's version is not an int");
+  Py_XDECREF(next);
+  Py_XDECREF(version);
+  Py_XDECREF(old_shape);
+  Py_DECREF(shape);
+  return ok;
 }
 
 // `array` (a recorded value while recording) as a new pjrt tensor (storage.wrap), or an
@@ -1350,9 +1389,7 @@ class HotKernel final : public c10::OperatorKernel {
     for (int j = 0; ok && j < written.size(); j++) {
       if (written.items[j] == Py_None) continue;
       PyObject* item = PySequence_Fast_GET_ITEM(seq, static_cast<Py_ssize_t>(e.results.size()) + j);
-      PyObject* none = PyObject_CallMethodOneArg(written.items[j], config->name_replace, item);
-      ok = none != nullptr;
-      Py_XDECREF(none);
+      ok = replace_array(written.items[j], item);
     }
     Py_XDECREF(seq);
     Py_DECREF(result);
@@ -1418,9 +1455,7 @@ class HotKernel final : public c10::OperatorKernel {
     for (int i = 0; ok && i < targets.size(); i++)
       ok = reinterpret_cast<PyObject*>(Py_TYPE(PyTuple_GET_ITEM(result, i))) == expected;
     for (int i = 0; ok && i < targets.size(); i++) {
-      PyObject* none = PyObject_CallMethodOneArg(targets.items[i], config->name_replace, PyTuple_GET_ITEM(result, i));
-      ok = none != nullptr;
-      Py_XDECREF(none);
+      ok = replace_array(targets.items[i], PyTuple_GET_ITEM(result, i));
     }
     Py_DECREF(result);
     if (!ok) PyErr_Clear();
@@ -1627,10 +1662,9 @@ class FactoryKernel final : public c10::OperatorKernel {
           if (it != fills_.end()) {
             PyObject* array = it->second;
             Py_INCREF(array);  // another thread may drop the table's reference while replace() runs
-            PyObject* none = PyObject_CallMethodOneArg(st, config->name_replace, array);
+            const bool replaced = replace_array(st, array);
             Py_DECREF(array);
-            Py_XDECREF(none);
-            if (none != nullptr) {
+            if (replaced) {
               Py_DECREF(st);
               c10::IValue self = args[0];
               torch::jit::drop(*stack, n);
