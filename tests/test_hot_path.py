@@ -694,13 +694,13 @@ def test_foreach_ops_and_an_optimizer_step(mode):
         torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6)
 
 
-def python_frames(fn, names):
-    """(fn's result, the calls of Python functions named in `names` while it ran, by name)."""
+def calls_while(fn, name_of):
+    """(fn's result, name_of(frame) for each Python call while it ran that it names, in order)."""
     calls = []
 
     def profile(frame, event, arg):
-        if event == "call" and frame.f_code.co_name in names:
-            calls.append(frame.f_code.co_name)
+        if event == "call" and (name := name_of(frame)) is not None:
+            calls.append(name)
 
     sys.setprofile(profile)
     try:
@@ -708,6 +708,11 @@ def python_frames(fn, names):
     finally:
         sys.setprofile(None)
     return out, calls
+
+
+def python_frames(fn, names):
+    """(fn's result, the calls of Python functions named in `names` while it ran, by name)."""
+    return calls_while(fn, lambda frame: frame.f_code.co_name if frame.f_code.co_name in names else None)
 
 
 @needs_hot_path
@@ -777,18 +782,8 @@ def test_fused_mode_records_the_ops_it_serves_from_cpp(monkeypatch):
 
 def python_kernel_calls(fn):
     """(fn's result, the aten ops whose Python kernels ran while it ran, in order)."""
-    ops = []
-
-    def profile(frame, event, arg):
-        if event == "call" and frame.f_code.co_name == "registered" and "op" in frame.f_locals:
-            ops.append(str(frame.f_locals["op"]))
-
-    sys.setprofile(profile)
-    try:
-        out = fn()
-    finally:
-        sys.setprofile(None)
-    return out, ops
+    return calls_while(fn, lambda frame: str(frame.f_locals["op"])
+                       if frame.f_code.co_name == "registered" and "op" in frame.f_locals else None)
 
 
 @needs_hot_path

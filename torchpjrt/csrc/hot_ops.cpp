@@ -1208,8 +1208,12 @@ class HotKernel final : public c10::OperatorKernel {
     const int n_leaves = static_cast<int>(leaves.size());
     const Slots& G = config->graph;
     const Slots& P = config->pending;
-    PyObject* g = PyDict_GetItemWithError(config->records.first, config->name_graph);  // borrowed
-    if (g == nullptr || Py_TYPE(g) != G.type) return nullptr;
+    PyObject* g = PyDict_GetItemWithError(config->records.first, config->name_graph);
+    PyObject* avals = PyTuple_GET_ITEM(e.node, 2);  // [(shape, dtype, weak_type)], from _output_avals
+    if (g == nullptr || Py_TYPE(g) != G.type || !(PyList_CheckExact(avals) || PyTuple_CheckExact(avals))) return nullptr;
+    Arguments graph_held;  // the graph, should a flush replace it meanwhile (a finalizer's read)
+    Py_INCREF(g);
+    graph_held.push(g);
     // the graph's own autograd pass, or _add_node (which flushes a forward a backward follows)
     PyObject* task = G.get(g, kTask);
     if (task == nullptr) return nullptr;
@@ -1292,8 +1296,7 @@ class HotKernel final : public c10::OperatorKernel {
       if (slot_object == nullptr) return nullptr;
       PyTuple_SET_ITEM(refs, i, slot_object);
     }
-    PyObject* avals = PyTuple_GET_ITEM(e.node, 2);
-    const Py_ssize_t n_out = PySequence_Fast_GET_SIZE(avals);  // a list, from _output_avals
+    const Py_ssize_t n_out = PySequence_Fast_GET_SIZE(avals);
     const long long first = n_slots;
     Arguments made;  // first, the new n_slots, the node, then the Pendings
     if (!made.push(PyLong_FromLongLong(first)) || !made.push(PyLong_FromLongLong(n_slots + n_out)) ||
