@@ -98,7 +98,8 @@ _flushes_seen = 0
 
 
 class Pending:
-    """The not-yet-computed output of a recorded op: shape, dtype, and its graph slot."""
+    """The not-yet-computed output of a recorded op: shape, dtype, and its graph slot. (The hot
+    path makes these from C++ too, setting every slot but __weakref__.)"""
 
     __slots__ = ("shape", "dtype", "weak_type", "graph", "slot", "value", "__weakref__")
 
@@ -342,7 +343,9 @@ def _eval_shape(fn, treedef, leaves, sig):
 
 def _add_node(fn, runner, treedef, leaves, avals):
     """Record fn on `leaves` into the pending graph: its outputs' Pendings, in order. (The hot
-    path, csrc/hot_ops.cpp, calls it by name with record_keyed's arguments for a key it recorded.)"""
+    path, csrc/hot_ops.cpp record_node, does this same work in C++ for a key it recorded, through
+    _Graph's and Pending's slots: a change here is a change there. It calls this function by name
+    for what it leaves to Python: an autograd pass's first op, a value of a graph that never ran.)"""
     with _lock:
         g = _graph
         task = _current_task()
