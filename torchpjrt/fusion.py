@@ -407,7 +407,8 @@ def track(storage, pending) -> None:
     listed once per graph however often it is written (an optimizer's in-place foreach ops write
     each state several times a step): a weak reference per write was most of the objects a
     recorded step leaves for Python's garbage collector. (No lock: a list's append is atomic, and
-    the graph sets its values before it reads the list.)"""
+    the graph sets its values before it reads the list.) The hot path, csrc/hot_ops.cpp track,
+    does the same for the storages it makes and writes."""
     g = pending.graph
     if storage.tracked_in != g.serial:
         storage.tracked_in = g.serial
