@@ -60,14 +60,19 @@ struct Slots {
       if (d == nullptr || Py_TYPE(d) != &PyMemberDescr_Type) {
         Py_XDECREF(d);
         PyErr_Clear();
-        descriptors.clear();
+        reset();
         return false;
       }
       descriptors.push_back(d);
     }
-    type = reinterpret_cast<PyTypeObject*>(cls);
     Py_INCREF(cls);
+    type = reinterpret_cast<PyTypeObject*>(cls);
     return true;
+  }
+  void reset() {  // unusable again: its references dropped
+    for (PyObject* d : descriptors) Py_DECREF(d);
+    descriptors.clear();
+    Py_CLEAR(type);
   }
   bool loaded() const { return type != nullptr; }
   PyObject* get(PyObject* o, int i) const {  // a new reference, or nullptr with an error
@@ -1810,9 +1815,9 @@ class FactoryKernel final : public c10::OperatorKernel {
       return false;
     }
     // the whole storage, not padded, of the tensor's dtype (storage.is_identity)
-    PyObject* shape = PyObject_GetAttr(storage, config->name_shape);
-    PyObject* dtype = PyObject_GetAttr(storage, config->name_dtype);
-    PyObject* padding = PyObject_GetAttr(storage, config->name_padding);
+    PyObject* shape = storage_attr(storage, kShape, config->name_shape);
+    PyObject* dtype = storage_attr(storage, kDtype, config->name_dtype);
+    PyObject* padding = storage_attr(storage, kPadding, config->name_padding);
     std::vector<int64_t> sizes;
     bool ok = dtype != nullptr && padding == Py_None &&
               dtype == reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type())) && int_tuple(shape, sizes) &&
@@ -1998,10 +2003,10 @@ int torchpjrt_hot_configure(PyObject* storage_class, PyObject* array_type, PyObj
   if (!(c->pending.load(pending_type, {"shape", "dtype", "weak_type", "graph", "slot", "value"}) &&
         c->graph.load(graph_class, {"nodes", "runners", "inputs", "input_slots", "input_sigs", "input_ids", "outputs",
                                     "n_slots", "task", "serial", "storages"})))
-    c->graph = Slots();  // records go through fusion._add_node
+    c->graph.reset();  // records go through fusion._add_node
   if (!c->graph.loaded() || !c->storage.load(storage_class, {"array", "shape", "dtype", "version", "views", "raw", "device",
                                                              "padding", "appended_along", "tracked_in"}))
-    c->storage = Slots();
+    c->storage.reset();
   c->zero = PyLong_FromLong(0);
   config = c.release();
   return 0;
