@@ -235,3 +235,75 @@ def test_an_edited_custom_kernel_is_not_loaded_stale(tmp_path):
                            timeout=300, env=env)
         assert r.returncode == 0, r.stderr[-3000:]
         assert r.stdout.split() == [f"{float(scale)}", f"{float(scale) + 1}"]
+
+
+def test_prepare_all_compiles_new_kernels_side_by_side_from_abstract_arguments(tmp_path, monkeypatch):
+    import threading
+
+    import jax
+    import jax.numpy as jnp
+
+    from torchpjrt import kernel_cache
+    from torchpjrt.device import jax_device
+
+    monkeypatch.setattr(kernel_cache, "_directory", str(tmp_path))
+    monkeypatch.setattr(kernel_cache, "_tag", "test")
+    monkeypatch.setattr(kernel_cache, "stats", kernel_cache.Counter())
+    monkeypatch.setattr(kernel_cache, "PREPARE_THREADS", 2)
+    threads = []
+    first_call = kernel_cache.CachedKernel._first_call
+    monkeypatch.setattr(kernel_cache.CachedKernel, "_first_call",
+                        lambda self, args: threads.append(threading.current_thread().name) or first_call(self, args))
+    sharding = jax.sharding.SingleDeviceSharding(jax_device(0))
+
+    def kernel(name, fn):  # unique to this run: JAX's persistent cache must not know the programs yet
+        return kernel_cache.CachedKernel(jax.jit(fn), (f"test::{name}", str(tmp_path)))
+
+    scale = kernel("scale", lambda x, a: x * a)
+    matmul = kernel("matmul", lambda x, y: jnp.tanh(x @ y))
+    cast = kernel("cast", lambda x: x.astype(jnp.int32) + 1)
+    x = jnp.arange(12, dtype=jnp.float32).reshape(3, 4)
+    abstract = jax.ShapeDtypeStruct((4, 5), jnp.float32, sharding=sharding)  # a value not computed yet
+    calls = [(scale, (x, 2.5)), (matmul, (x, abstract)), (cast, (x,)), (scale, (x, 2.5))]
+    assert kernel_cache.prepare_all(calls) == 3  # each kernel once
+    assert len(threads) == 3 and all(t.startswith("torchpjrt-prepare") for t in threads)
+    assert kernel_cache.stats["kernel_cache_misses"] == 3 and kernel_cache.stats["kernels_prepared"] == 3
+    assert kernel_cache.prepare_all(calls) == 0  # prepared already
+    # the first calls run what was prepared: no compile, no fallback to jit, the same numbers as jit
+    y = jnp.ones((4, 5), jnp.float32)
+    assert scale(x, 3.0).tolist() == (x * 3.0).tolist()  # a Python number: traced, any value
+    assert matmul(x, y).tolist() == jax.jit(lambda x, y: jnp.tanh(x @ y))(x, y).tolist()
+    assert cast(x).tolist() == (x.astype(jnp.int32) + 1).tolist()
+    assert len(threads) == 3 and kernel_cache.stats["kernel_cache_fallbacks"] == 0
+    assert scale._prepared is None and scale._call is not scale.traceable
+    # the entries kept for a later process describe the calls as a concrete first call would
+    again = kernel_cache.CachedKernel(jax.jit(lambda x, y: jnp.tanh(x @ y)), ("test::matmul", str(tmp_path)))
+    treedef, signature, _, results = again.stored_shapes()
+    assert treedef == jax.tree_util.tree_structure((x, y))
+    assert signature == (((3, 4), jnp.dtype(jnp.float32), False), ((4, 5), jnp.dtype(jnp.float32), False))
+    assert results == [((3, 5), jnp.dtype(jnp.float32), False)]
+    assert again(x, y).tolist() == matmul(x, y).tolist() and kernel_cache.stats["kernel_cache_hits"] == 1
+
+
+def test_fused_mode_prepares_a_first_sightings_kernels_side_by_side(empty_kernel_cache, monkeypatch):
+    import torch
+
+    import torchpjrt
+    from torchpjrt import kernel_cache
+
+    if kernel_cache.directory() is None:
+        pytest.skip("the kernel cache is off")
+    monkeypatch.setattr(kernel_cache, "PREPARE_THREADS", 2)
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(13, 29), torch.nn.GELU(), torch.nn.LayerNorm(29), torch.nn.Linear(29, 3))
+    x = torch.randn(11, 13)
+    expected = m(x).softmax(-1).sum(0)
+    m.to("pjrt")
+    before = dict(kernel_cache.stats)
+    with torchpjrt.eager_mode("fused"):  # a first sighting runs op by op, each op its own kernel
+        got = m(x.to("pjrt")).softmax(-1).sum(0).cpu()
+    prepared = kernel_cache.stats["kernels_prepared"] - before.get("kernels_prepared", 0)
+    compiled = kernel_cache.stats["kernel_cache_misses"] - before.get("kernel_cache_misses", 0)
+    assert prepared >= 5 and compiled >= prepared
+    assert kernel_cache.stats["kernel_cache_fallbacks"] == before.get("kernel_cache_fallbacks", 0)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)

@@ -10,6 +10,7 @@ already gave JAX (jax_compilation_cache_dir) is kept.
 
 import os
 import tempfile
+import threading
 from collections import Counter
 
 import jax
@@ -91,8 +92,23 @@ def configure() -> None:
     _directory = path
 
 
+_this_thread = threading.local()  # its own count of hits, for compiles running side by side
+
+
+def hits_in_this_thread() -> int:
+    """Persistent cache hits of the compiles this thread ran (JAX reports them in the thread that
+    compiles)."""
+    return getattr(_this_thread, "hits", 0)
+
+
+_count_lock = threading.Lock()  # compiles may run side by side (kernel_cache.prepare_all)
+
+
 def _on_event(event: str, **kwargs) -> None:
     if event == "/jax/compilation_cache/cache_hits":
-        stats["persistent_cache_hits"] += 1
+        with _count_lock:
+            stats["persistent_cache_hits"] += 1
+        _this_thread.hits = hits_in_this_thread() + 1
     elif event == "/jax/compilation_cache/cache_misses":
-        stats["persistent_cache_misses"] += 1
+        with _count_lock:
+            stats["persistent_cache_misses"] += 1

@@ -637,6 +637,7 @@ def _note_compile(seconds, n_ops):
 def _run_op_by_op(g, out_slots):
     """The graph's values at `out_slots`, each node run by its own kernel (no graph compile).
     A value is dropped after its last use, so memory peaks as in strict mode."""
+    _prepare_kernels(g)
     unflatten = jax.tree_util.tree_unflatten
     leaves_of = jax.tree_util.tree_leaves
     env = [None] * g.n_slots
@@ -661,6 +662,35 @@ def _run_op_by_op(g, out_slots):
         for slot in dead:
             env[slot] = None
     return [env[s] for s in out_slots]
+
+
+def _prepare_kernels(g) -> None:
+    """Before `g` runs op by op: its kernels that have no executable yet (a first step on a cold
+    cache) load or compile side by side (kernel_cache.prepare_all), each traced on its arguments
+    as the graph will pass them: the graph's inputs, and for the values its nodes compute,
+    abstract arrays of the shapes, dtypes and weak types they were recorded with."""
+    from . import kernel_cache
+    from .device import jax_device
+
+    if sum(1 for r in g.runners if type(r) is kernel_cache.CachedKernel and r._call is None) < 2:
+        return
+    sharding = jax.sharding.SingleDeviceSharding(jax_device(g.device))
+    unflatten = jax.tree_util.tree_unflatten
+    env = [None] * g.n_slots
+    for slot, v in zip(g.input_slots, g.inputs):
+        env[slot] = v
+    calls = []
+    for (fn, treedef, refs, first), runner in zip(g.nodes, g.runners):
+        leaves = [env[r] for r in refs]
+        sig = tuple((x.shape, x.dtype, x.weak_type) if type(x) is jax.ShapeDtypeStruct else signature_of(x)
+                    for x in leaves)
+        entry = _out_avals.get((fn, treedef, sig))
+        if entry is None:
+            entry = _eval_shape(fn, treedef, leaves, sig)
+        calls.append((runner, tuple(unflatten(treedef, leaves))))
+        for i, (shape, dtype, weak_type) in enumerate(entry[1]):
+            env[first + i] = jax.ShapeDtypeStruct(shape, dtype, weak_type=weak_type, sharding=sharding)
+    kernel_cache.prepare_all(calls)
 
 
 pack_host_scalars_from = 2  # a graph with fewer host scalars passes them as they are

@@ -41,6 +41,12 @@ _directory = _UNSET
 _tag = None
 _loading = threading.Lock()
 _loaded_by_jax = set()  # kernel keys whose executable came from JAX's persistent cache
+_count_lock = threading.Lock()  # kernels may be loaded and compiled side by side (prepare_all)
+
+
+def _count(name) -> None:
+    with _count_lock:
+        stats[name] += 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -151,12 +157,13 @@ class CachedKernel:
     `traceable` is the jitted function, for callers that trace it into a larger program (fused
     eager mode); `identity` is what fixes its program."""
 
-    __slots__ = ("traceable", "identity", "_call", "_shapes", "_digest", "__weakref__")
+    __slots__ = ("traceable", "identity", "_call", "_prepared", "_shapes", "_digest", "__weakref__")
 
     def __init__(self, jitted, identity):
         self.traceable = jitted
         self.identity = identity
         self._call = None
+        self._prepared = None  # what _first_call gave ahead of the first call (prepare_all)
         self._shapes = _UNSET
         self._digest = None
 
@@ -191,7 +198,10 @@ class CachedKernel:
             with _loading:  # one load per kernel, and one loader at a time
                 call = self._call
                 if call is None:
-                    call = self._call = self._first_call(args)
+                    call, self._prepared = self._prepared, None
+                    if call is None:
+                        call = self._first_call(args)
+                    self._call = call
                     if call is not self.traceable:
                         live_programs.hold(self)
                         out = self._run(call, args)
@@ -216,6 +226,7 @@ class CachedKernel:
     def release(self):
         """Drops the loaded executable (live_programs): the next call loads it again."""
         self._call = None
+        self._prepared = None
 
     def _first_call(self, args):
         root = directory()
@@ -237,7 +248,7 @@ class CachedKernel:
             device = next(d for d in client.devices() if d.id == device_id)
             compiled = deserialize_and_load(payload, in_tree, out_tree, backend=client, execution_devices=[device])
             live_programs.note_new_programs()
-            stats["kernel_cache_hits"] += 1
+            _count("kernel_cache_hits")
             return compiled
         except FileNotFoundError:
             pass
@@ -254,21 +265,64 @@ class CachedKernel:
         # else), and is stored only when XLA really compiled it. JAX does not write it to its
         # own cache: this layer's copy is the one a later process loads.
         salt = 1_000_000 + int(os.path.basename(path)[:6], 16)
-        hits = compile_cache.stats["persistent_cache_hits"]
+        hits = compile_cache.hits_in_this_thread()
         try:
             with jax_config.persistent_cache_min_compile_time_secs(1e12):
                 traced = self.traceable.trace(*args)
                 compiled = traced.lower().compile(compiler_options={"xla_debug_buffer_assignment_show_max": salt})
         except Exception:  # a runtime refusing the option, an error jit reports as well: jit's path
-            stats["kernel_cache_unstored"] += 1
+            _count("kernel_cache_unstored")
             return self.traceable
-        stats["kernel_cache_misses"] += 1
-        if compile_cache.stats["persistent_cache_hits"] == hits and path not in _loaded_by_jax:
+        _count("kernel_cache_misses")
+        if compile_cache.hits_in_this_thread() == hits and path not in _loaded_by_jax:
             _store(path, compiled, _shapes(args, traced.out_avals))
         else:
             _loaded_by_jax.add(path)  # JAX's in-memory cache may hand the same executable back
-            stats["kernel_cache_unstored"] += 1
+            _count("kernel_cache_unstored")
         return compiled
+
+
+PREPARE_THREADS = min(os.cpu_count() or 1, 8)
+
+
+def prepare_all(calls) -> int:
+    """Loads or compiles, in threads of their own, the kernels among `calls` ((CachedKernel,
+    arguments) pairs) that have no executable yet, so that their first calls find one. The
+    arguments may be abstract (jax.ShapeDtypeStruct with the sharding of the device the call
+    will run on): a fused graph's values before it runs. XLA compiles without holding Python's
+    lock, so a batch of new kernels (a fused-mode step's first sighting, run op by op) compiles
+    in about the time of its longest ones where one after another took their sum. Returns how
+    many it prepared."""
+    todo, seen = [], set()
+    for kernel, args in calls:
+        if type(kernel) is CachedKernel and kernel._call is None and kernel._prepared is None \
+                and id(kernel) not in seen:
+            seen.add(id(kernel))
+            todo.append((kernel, args))
+    if len(todo) < 2 or PREPARE_THREADS < 2 or directory() is None:
+        return 0
+    live_programs.release_if_due()
+    _initialize_runtime_handlers()  # (once, in this thread: loads in the pool need it)
+
+    def prepare(pair):
+        kernel, args = pair
+        try:
+            return kernel._first_call(args)
+        except Exception:  # noqa: BLE001 - the kernel's own first call reports it
+            return None
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(min(PREPARE_THREADS, len(todo)), thread_name_prefix="torchpjrt-prepare") as pool:
+        prepared = list(pool.map(prepare, todo))
+    done = 0
+    with _loading:
+        for (kernel, _), call in zip(todo, prepared):
+            if call is not None and call is not kernel.traceable and kernel._call is None:
+                kernel._prepared = call
+                done += 1
+    stats["kernels_prepared"] += done
+    return done
 
 
 def _shapes(args, out_avals):
@@ -277,7 +331,9 @@ def _shapes(args, out_avals):
 
     leaves, treedef = jax.tree_util.tree_flatten(args)
     avals, out_treedef = jax.tree_util.tree_flatten(out_avals)
-    return (treedef, tuple(signature_of(x) for x in leaves), out_treedef,
+    # (an abstract argument, prepare_all's, stands for an array of its shape, dtype and weak type)
+    return (treedef, tuple((x.shape, x.dtype, x.weak_type) if type(x) is jax.ShapeDtypeStruct else signature_of(x)
+                           for x in leaves), out_treedef,
             [(a.shape, a.dtype, a.weak_type) for a in avals])
 
 
@@ -316,7 +372,7 @@ def _store(path, compiled, shapes) -> None:
     for sharding in jax.tree_util.tree_leaves((compiled.input_shardings, compiled.output_shardings)):
         devices |= sharding.device_set
     if len(devices) != 1:  # a program spanning devices (a sharding constraint inside): not kept
-        stats["kernel_cache_unstored"] += 1
+        _count("kernel_cache_unstored")
         return
     try:
         # the header first: stored_shapes reads it alone
@@ -328,4 +384,4 @@ def _store(path, compiled, shapes) -> None:
             f.write(data)
         os.replace(tmp, path)
     except Exception:  # an executable the runtime cannot serialize, a full disk: run uncached
-        stats["kernel_cache_unstored"] += 1
+        _count("kernel_cache_unstored")

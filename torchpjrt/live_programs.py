@@ -23,6 +23,7 @@ RELEASE_AT = 0.5  # of vm.max_map_count
 stats = {"releases": 0, "programs_seen": 0, "xla_compiles": 0}
 
 _lock = threading.Lock()
+_count_lock = threading.Lock()
 _new_since_check = 0
 _due = False
 _holders = weakref.WeakSet()  # objects holding a loaded executable, with a release() method
@@ -50,11 +51,12 @@ def _mapping_count() -> int:
 def note_new_programs(n: int = 1) -> None:
     """Counts programs just compiled or loaded; every CHECK_EVERY, checks the mapping count."""
     global _new_since_check, _due
-    stats["programs_seen"] += n
-    _new_since_check += n
-    if _new_since_check < CHECK_EVERY:
-        return
-    _new_since_check = 0
+    with _count_lock:  # (programs may be compiled and loaded side by side: kernel_cache.prepare_all)
+        stats["programs_seen"] += n
+        _new_since_check += n
+        if _new_since_check < CHECK_EVERY:
+            return
+        _new_since_check = 0
     limit = _map_limit()
     if limit and _mapping_count() > limit:
         _due = True
@@ -85,7 +87,8 @@ def release_if_due() -> None:
 def _on_duration(event: str, duration: float, **kwargs) -> None:
     # fired for each XLA compile or load from JAX's persistent cache: a new executable
     if event == "/jax/core/compile/backend_compile_duration":
-        stats["xla_compiles"] += 1
+        with _count_lock:
+            stats["xla_compiles"] += 1
         note_new_programs()
 
 
