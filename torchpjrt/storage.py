@@ -124,8 +124,16 @@ def is_shared(key) -> bool:
 
 def _zeros(shape, dtype, device=0):
     if math.prod(shape) * np.dtype(dtype).itemsize <= SHARED_BYTES:
-        return shared_result(("storage.zeros", shape, dtype, device), _zeros_fn(shape, dtype, device))
+        # made once per shape and shared: copied from the host, where a program would cost a
+        # compile (tens of milliseconds) in a first process and a load from disk in a later one
+        return shared_result(("storage.zeros", shape, dtype, device), functools.partial(_host_zeros, shape, dtype, device))
     return call(_zeros_fn(shape, dtype, device))
+
+
+def _host_zeros(shape, dtype, device):
+    from .device import jax_device
+
+    return jax.device_put(np.zeros(shape, dtype), jax_device(device))
 
 
 def zeros(shape, dtype):
