@@ -307,3 +307,32 @@ def test_fused_mode_prepares_a_first_sightings_kernels_side_by_side(empty_kernel
     assert prepared >= 5 and compiled >= prepared
     assert kernel_cache.stats["kernel_cache_fallbacks"] == before.get("kernel_cache_fallbacks", 0)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_small_zero_fills_and_exact_constant_fills_run_no_program(empty_kernel_cache):
+    import torch
+
+    from torchpjrt import kernel_cache, live_programs
+
+    def programs():
+        return (live_programs.stats["xla_compiles"], kernel_cache.stats["kernel_cache_hits"],
+                kernel_cache.stats["kernel_cache_misses"])
+
+    before = programs()
+    made = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.bool):
+        shape = (37, 53)  # a shape nothing else in the suite fills
+        made.append((torch.zeros(shape, dtype=dtype, device="pjrt"), torch.zeros(shape, dtype=dtype)))
+        made.append((torch.ones(shape, dtype=dtype, device="pjrt"), torch.ones(shape, dtype=dtype)))
+        made.append((torch.empty(shape, dtype=dtype, device="pjrt").zero_(), torch.zeros(shape, dtype=dtype)))
+        if dtype.is_floating_point:  # a mask's fill, and a signed zero
+            for value in (float("-inf"), -0.0, 0.5):
+                made.append((torch.full(shape, value, dtype=dtype, device="pjrt"), torch.full(shape, value, dtype=dtype)))
+    assert programs() == before  # copied from the host: nothing compiled or loaded
+    for got, expected in made:
+        assert got.dtype == expected.dtype and torch.equal(got.cpu(), expected)
+        assert torch.equal(got.cpu().float().signbit(), expected.float().signbit())
+    # a number the dtype does not hold exactly (0.1 in float32) is converted by the program, as before
+    inexact = torch.full((37, 53), 0.1, device="pjrt")
+    assert programs() != before
+    assert torch.equal(inexact.cpu(), torch.full((37, 53), 0.1))

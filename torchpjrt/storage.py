@@ -151,10 +151,42 @@ def _filled_fn(shape, dtype, number_type):
 
 def filled(shape, dtype, value):
     """An array of `shape` filled with the Python number `value` on pjrt:0, computed now and
-    shared when small (shared_result)."""
-    fn = _filled_fn(tuple(shape), dtype, type(value))
+    shared when small (shared_result): copied from the host when the number converts to `dtype`
+    exactly (ones, a mask's -inf), as small zero fills are; else by a program."""
+    shape = tuple(shape)
+    exact = _exactly(value, dtype)
+    if exact is not None and math.prod(shape) * np.dtype(dtype).itemsize <= SHARED_BYTES:
+        make = functools.partial(_host_fill, shape, exact)
+    else:
+        make = functools.partial(_filled_fn(shape, dtype, type(value)), value)
     # repr tells -0.0 from 0.0 and keys NaN, which equals nothing
-    return shared_result(("storage.filled", tuple(shape), dtype, type(value), repr(value)), lambda: fn(value))
+    return shared_result(("storage.filled", shape, dtype, type(value), repr(value)), make)
+
+
+def _exactly(value, dtype):
+    """`value` as a numpy scalar of `dtype` when converting it is exact (so the program's
+    conversion would give the same), else None: a bool or an int in range, a float the dtype
+    holds exactly (infinities included; NaN and complex dtypes left to the program)."""
+    dt = np.dtype(dtype)
+    if dt == np.bool_:
+        return np.bool_(value) if value in (0, 1) else None  # (torch.ones: 1.0)
+    if np.issubdtype(dt, np.integer):
+        if type(value) is float and not value.is_integer():
+            return None
+        info = np.iinfo(dt)
+        return dt.type(int(value)) if info.min <= value <= info.max else None
+    if not jnp.issubdtype(dt, jnp.floating) or value != value:
+        return None
+    number = float(value)
+    if type(value) is int and float(number) != value:
+        return None  # an int a double does not hold
+    with np.errstate(over="ignore"):  # (a number past the dtype's range becomes inf: not exact)
+        converted = np.array(number).astype(dt)
+    return converted[()] if float(converted) == number else None
+
+
+def _host_fill(shape, value):
+    return jax.device_put(np.full(shape, value), default_device())
 
 
 def _zeros_on(device, shape, dtype):
