@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import torchpjrt
-from torchpjrt import hot_path, native
+from torchpjrt import hot_path, native, storage
 
 DEV = "pjrt"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -439,9 +439,10 @@ def test_in_place_forms_write_their_target_as_the_python_kernel_does():
     torch.testing.assert_close(view.cpu(), ac.view(20))
     assert a.data_ptr() == address and a._version == version + 6
     # the target's storage object as Storage.replace leaves it (written from C++): a new array
-    # and version, no materialized views (the view's read above made one)
+    # and version, no materialized views (a read of the view on the device makes one)
     st = a.untyped_storage()._pjrt
     storage_version, array = st.version, st.array
+    storage.read(view)
     assert st.views
     _, calls = python_frames(lambda: a.add_(b, alpha=0.5), {"replace", "_hold"})
     assert calls == [] and st.version == storage_version + 1 and st.views is None and st.array is not array

@@ -336,3 +336,26 @@ def test_small_zero_fills_and_exact_constant_fills_run_no_program(empty_kernel_c
     inexact = torch.full((37, 53), 0.1, device="pjrt")
     assert programs() != before
     assert torch.equal(inexact.cpu(), torch.full((37, 53), 0.1))
+
+
+def test_views_of_small_storages_reach_the_cpu_without_a_program(empty_kernel_cache):
+    import torch
+
+    from torchpjrt import live_programs
+
+    torch.manual_seed(0)
+    cpu = torch.randn(29, 31)  # shapes nothing else in the suite reads
+    x = cpu.to("pjrt")
+    compiles = live_programs.stats["xla_compiles"]
+    views = [lambda t: t[3], lambda t: t.t(), lambda t: t[:, 5], lambda t: t.diagonal(), lambda t: t[2:9, ::3],
+             lambda t: t.unsqueeze(0).expand(2, 29, 31), lambda t: t.view(-1)[7:40], lambda t: t[1:3].T]
+    for view in views:
+        got = view(x).cpu()
+        assert got.shape == view(cpu).shape and torch.equal(got, view(cpu))
+    assert "device='pjrt:0'" in str(x[4])  # print of a row
+    assert live_programs.stats["xla_compiles"] == compiles  # copied whole to the host, viewed there
+    # a row of a large storage is read on the device: the host would copy 4 MiB for 4 KiB
+    big = torch.randn(1024, 1031).to("pjrt")
+    compiles = live_programs.stats["xla_compiles"]
+    assert torch.equal(big[5].cpu(), big.cpu()[5])
+    assert live_programs.stats["xla_compiles"] > compiles

@@ -337,3 +337,29 @@ def test_low_precision_lerp_computes_in_float32_as_cpu():
             assert_same(torch.lerp(a, b, weight), torch.lerp(to_dev(a), to_dev(b), weight), rtol=0, atol=0)
         assert_same(torch.lerp(a, a, 1e6), torch.lerp(to_dev(a), to_dev(a), 1e6), rtol=0, atol=0)
         assert_same(torch.lerp(a, b, w), torch.lerp(to_dev(a), to_dev(b), to_dev(w)), rtol=0, atol=0)
+
+
+def test_printing_compiles_nothing_and_keeps_the_suffixes():
+    from torchpjrt import live_programs, printing
+
+    torch.manual_seed(0)
+    cases = [torch.randn(23, 41), torch.randn(5, dtype=torch.complex64).conj(), torch.tensor([7, -3, 2]),
+             torch.tensor([float("nan"), float("inf"), -0.0]), torch.randn(3, 7, dtype=torch.bfloat16),
+             torch.randn(2, 3000), torch.empty(0, 3), torch.tensor(2.5)]
+    def words(text):  # the same numbers, laid out the same; the pjrt suffix may wrap the line
+        return " ".join(text.split()).replace(", device='pjrt:0'", "")
+
+    before = live_programs.stats["xla_compiles"]
+    for x in cases:
+        assert words(str(x.to("pjrt"))) == words(str(x))
+    assert live_programs.stats["xla_compiles"] == before  # formatted from a CPU copy
+    w = torch.randn(3).to("pjrt").requires_grad_()
+    assert str(w * 2).endswith("device='pjrt:0', grad_fn=<MulBackward0>)") and "requires_grad=True" in str(w)
+    # a tensor too large to copy whole is summarized on the device, as PyTorch does it
+    big = torch.randn(70, 70)
+    old = printing.COPIED_ELEMENTS
+    printing.COPIED_ELEMENTS = 100
+    try:
+        assert words(str(big.to("pjrt"))) == words(str(big))
+    finally:
+        printing.COPIED_ELEMENTS = old

@@ -35,6 +35,10 @@ _untyped_storage.install()
 from . import interop as _interop  # noqa: E402
 
 _interop.install()  # DLPack for pjrt tensors, torch.from_dlpack onto pjrt
+
+from . import printing as _printing  # noqa: E402
+
+_printing.install()  # print(tensor) formats a CPU copy: no program per printed shape
 from .interop import from_jax, to_jax  # noqa: E402,F401
 
 from . import module_conversion as _module_conversion  # noqa: E402

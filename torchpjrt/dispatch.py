@@ -1457,6 +1457,10 @@ def _unsupported(op, args, kwargs):
 
 
 def to_cpu(t: torch.Tensor) -> torch.Tensor:
+    host = _view_from_host_copy(t)
+    if host is not None:
+        device_checks.raise_pending()
+        return host
     arr = fusion.concrete(storage.read(t))
     if not getattr(arr, "is_fully_addressable", True):
         # sharded over several processes' devices (spmd): every process gathers the whole value
@@ -1469,6 +1473,37 @@ def to_cpu(t: torch.Tensor) -> torch.Tensor:
         raise fusion.device_error(e) from e
     device_checks.raise_pending()
     return dtypes.cpu_tensor_from_numpy(arr, t.dtype).reshape(t.shape)
+
+
+VIEW_FROM_HOST_BYTES = 64 * 1024  # a view's storage copied whole to read it, up to this or 4x the view
+
+
+def _view_from_host_copy(t: torch.Tensor):
+    """A view of a small storage (`x[0]`, `x.t()`, `x.diagonal()` printed or copied to the CPU),
+    taken from a host copy of its whole storage: reading it on the device would compile a
+    strided-read program for each geometry (tens of milliseconds the first time, in code whose
+    views keep changing). None for a whole storage, a larger one, a view with another dtype than
+    its storage's, or a geometry that reaches past it (the device path raises CPU's errors)."""
+    st = getattr(t.untyped_storage(), "_pjrt", None)
+    if st is None or st.raw or t.dtype is not st.dtype or storage.is_identity(t, st) or t.numel() == 0:
+        return None
+    numel = st.numel
+    if numel * t.element_size() > max(VIEW_FROM_HOST_BYTES, 4 * t.numel() * t.element_size()):
+        return None
+    offset = t.storage_offset()
+    last = offset + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    if offset < 0 or last >= numel or any(stride < 0 for stride in t.stride()):
+        return None
+    arr = fusion.concrete(st.value())
+    if not getattr(arr, "is_fully_addressable", True):
+        return None
+    try:
+        flat = np.asarray(arr).reshape(-1)
+    except jax.errors.JaxRuntimeError as e:  # an asynchronous failure (out of memory) shows here
+        raise fusion.device_error(e) from e
+    view = np.lib.stride_tricks.as_strided(flat[offset:], t.shape, [s * flat.itemsize for s in t.stride()],
+                                           writeable=False)
+    return dtypes.cpu_tensor_from_numpy(view, t.dtype)
 
 
 def to_pjrt(t: torch.Tensor) -> torch.Tensor:
