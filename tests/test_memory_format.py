@@ -104,3 +104,18 @@ def test_channels_last_cnn_trains_like_cpu():
     assert pjrt[1] == cpu[1]
     for got, want in zip(pjrt[2], cpu[2]):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_transposed_and_channels_last_cpu_tensors_are_laid_out_on_the_host(each_eager_mode):
+    from torchpjrt import live_programs
+
+    torch.manual_seed(0)
+    cases = [torch.randn(5, 9).t(), torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+             torch.randn(3, 4, 6).permute(2, 0, 1), torch.randn(4, 1, 3).transpose(0, 2)]
+    before = live_programs.stats["xla_compiles"]
+    moved = [(x, x.to("pjrt")) for x in cases] + [(x.half(), x.to("pjrt", torch.float16)) for x in cases]
+    if each_eager_mode != "debug":  # (debug mode checks each result with programs of its own)
+        assert live_programs.stats["xla_compiles"] == before  # no transpose (or cast) program on the device
+    for x, y in moved:
+        assert y.stride() == x.stride() and y.dtype == x.dtype and torch.equal(y.cpu(), x)
+        assert (y * 2).stride() == (x * 2).stride() and torch.equal((y * 2).cpu(), x * 2)

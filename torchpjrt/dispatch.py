@@ -1687,6 +1687,12 @@ def k_to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, no
     stride = _copy_strides(self, memory_format)
     if target.type == "pjrt":
         index = _check_device(target)  # "pjrt" alone: the current device, as CUDA's ensure_has_index
+        order = storage.dense_order(self.shape, stride) if stride is not None and self.device.type == "cpu" else None
+        if order is not None:
+            # a transposed or channels-last CPU tensor: laid out in memory order (and cast) on the
+            # host, where the device would run a transpose program compiled per shape
+            value = host_to_device(self.permute(order).to(dtype), index)
+            return storage.wrap_in_order(value, stride, dtype)
         value = device_value(self, index)
         jd = dtypes.to_jax(dtype)
         if value.dtype != jd:
