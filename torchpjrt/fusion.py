@@ -672,6 +672,8 @@ def _prepare_kernels(g) -> None:
     from . import kernel_cache
     from .device import jax_device
 
+    if placement.multi:
+        return  # (a kernel without array arguments runs on the device placement.on names, in this thread only)
     if sum(1 for r in g.runners if type(r) is kernel_cache.CachedKernel and r._call is None) < 2:
         return
     sharding = jax.sharding.SingleDeviceSharding(jax_device(g.device))
