@@ -348,7 +348,8 @@ def test_views_of_small_storages_reach_the_cpu_without_a_program(empty_kernel_ca
     x = cpu.to("pjrt")
     compiles = live_programs.stats["xla_compiles"]
     views = [lambda t: t[3], lambda t: t.t(), lambda t: t[:, 5], lambda t: t.diagonal(), lambda t: t[2:9, ::3],
-             lambda t: t.unsqueeze(0).expand(2, 29, 31), lambda t: t.view(-1)[7:40], lambda t: t[1:3].T]
+             lambda t: t.unsqueeze(0).expand(2, 29, 31), lambda t: t.view(-1)[7:40], lambda t: t[1:3].T,
+             lambda t: t[4, 6], lambda t: t[:1, :1].squeeze(), lambda t: t[2].unbind()[3]]  # 0-d views too
     for view in views:
         got = view(x).cpu()
         assert got.shape == view(cpu).shape and torch.equal(got, view(cpu))

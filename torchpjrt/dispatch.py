@@ -1503,7 +1503,7 @@ def _view_from_host_copy(t: torch.Tensor):
         raise fusion.device_error(e) from e
     view = np.lib.stride_tricks.as_strided(flat[offset:], t.shape, [s * flat.itemsize for s in t.stride()],
                                            writeable=False)
-    return dtypes.cpu_tensor_from_numpy(view, t.dtype)
+    return dtypes.cpu_tensor_from_numpy(view, t.dtype).reshape(t.shape)  # (numpy makes a 0-d view 1-d)
 
 
 def to_pjrt(t: torch.Tensor) -> torch.Tensor:
