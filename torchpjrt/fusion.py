@@ -328,6 +328,8 @@ def signature_of(x):
         return (aval.shape, aval.dtype, aval.weak_type)
     if t is np.ndarray:
         return (x.shape, x.dtype, False)
+    if t is jax.ShapeDtypeStruct:  # an abstract argument (kernel_cache.prepare_all's) stands for its array
+        return (x.shape, x.dtype, x.weak_type)
     return t
 
 
@@ -684,8 +686,7 @@ def _prepare_kernels(g) -> None:
     calls = []
     for (fn, treedef, refs, first), runner in zip(g.nodes, g.runners):
         leaves = [env[r] for r in refs]
-        sig = tuple((x.shape, x.dtype, x.weak_type) if type(x) is jax.ShapeDtypeStruct else signature_of(x)
-                    for x in leaves)
+        sig = tuple(signature_of(x) for x in leaves)
         entry = _out_avals.get((fn, treedef, sig))
         if entry is None:
             entry = _eval_shape(fn, treedef, leaves, sig)

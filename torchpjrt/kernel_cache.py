@@ -331,9 +331,7 @@ def _shapes(args, out_avals):
 
     leaves, treedef = jax.tree_util.tree_flatten(args)
     avals, out_treedef = jax.tree_util.tree_flatten(out_avals)
-    # (an abstract argument, prepare_all's, stands for an array of its shape, dtype and weak type)
-    return (treedef, tuple((x.shape, x.dtype, x.weak_type) if type(x) is jax.ShapeDtypeStruct else signature_of(x)
-                           for x in leaves), out_treedef,
+    return (treedef, tuple(signature_of(x) for x in leaves), out_treedef,
             [(a.shape, a.dtype, a.weak_type) for a in avals])
 
 

@@ -126,14 +126,9 @@ def _zeros(shape, dtype, device=0):
     if math.prod(shape) * np.dtype(dtype).itemsize <= SHARED_BYTES:
         # made once per shape and shared: copied from the host, where a program would cost a
         # compile (tens of milliseconds) in a first process and a load from disk in a later one
-        return shared_result(("storage.zeros", shape, dtype, device), functools.partial(_host_zeros, shape, dtype, device))
+        return shared_result(("storage.zeros", shape, dtype, device),
+                             functools.partial(_host_fill, shape, np.zeros((), dtype)[()], device))
     return call(_zeros_fn(shape, dtype, device))
-
-
-def _host_zeros(shape, dtype, device):
-    from .device import jax_device
-
-    return jax.device_put(np.zeros(shape, dtype), jax_device(device))
 
 
 def zeros(shape, dtype):
@@ -185,8 +180,11 @@ def _exactly(value, dtype):
     return converted[()] if float(converted) == number else None
 
 
-def _host_fill(shape, value):
-    return jax.device_put(np.full(shape, value), default_device())
+def _host_fill(shape, value, device=0):
+    """`shape` filled with `value` (a numpy scalar of the dtype) on pjrt:`device`, copied from the host."""
+    from .device import jax_device
+
+    return jax.device_put(np.full(shape, value), jax_device(device))
 
 
 def _zeros_on(device, shape, dtype):
