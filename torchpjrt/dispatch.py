@@ -318,6 +318,9 @@ class LoweredKernel:
         self.n_inputs = self.sig.n if n_inputs is None else n_inputs
         self.cache = {}
         self.fused_avals = {}  # key -> output shapes/dtypes, for recording in fused mode
+        # key -> the arguments read masked (padding._masked), as (position, element or -1) in
+        # the program's arguments: the hot path passes them with their n (hot_path.take_entry)
+        self.masked_of = {}
         # an op that also writes arguments whose calls the hot path serves (register): its kernel
         # tells the hot path what each call wrote; no other keeps its written arrays referenced
         self.hot_writes = False
@@ -346,6 +349,7 @@ class LoweredKernel:
             self._call_check(vals)
         key = []
         dyn = []
+        masked = []
         static_positions = self._static_positions
         multi = placement.multi
         on = None  # with several devices in use: the pjrt index of the op's tensors
@@ -359,7 +363,8 @@ class LoweredKernel:
                     continue
                 if multi:
                     on = _op_device(on, v)
-                _key_tensor(v, st, key, dyn)
+                if _key_tensor(v, st, key, dyn):
+                    masked.append((len(dyn) - 1, -1))
             elif k == SCALAR:
                 if scalar_is_static(v, i, static_positions):
                     key.append(("s", type(v), v))  # True == 1 == 1.0: the type tells them apart
@@ -393,7 +398,8 @@ class LoweredKernel:
                     if multi:
                         on = _op_device(on, t)
                     part = []  # a view in a list (rotate_half's cat of two halves) too
-                    _key_tensor(t, t.untyped_storage()._pjrt, part, arrays)
+                    if _key_tensor(t, t.untyped_storage()._pjrt, part, arrays):
+                        masked.append((len(dyn), len(arrays) - 1))
                     parts.append(tuple(part))
                 key.append(tuple(parts))
                 dyn.append(arrays)
@@ -423,6 +429,8 @@ class LoweredKernel:
         if fn is None:
             live_programs.release_if_due()
             fn = self._build(vals, key)
+            if masked:
+                self.masked_of[key] = tuple(masked)
         stats["lowered"] += 1
         try:
             if not dyn and not on and not checked and not self._dynamic_shape and (
@@ -765,11 +773,11 @@ def _compile(lowering, sig, vals, static_positions, expected, identity=None, ord
     return kernel_cache.kept(jax.jit(run), identity)
 
 
-def _key_tensor(v, st, key, dyn) -> None:
+def _key_tensor(v, st, key, dyn) -> bool:
     """Keys pjrt tensor `v` (of storage `st`) into `key` and its value into `dyn`: the array of a
     whole storage; for a view the storage's array, the view's strided read compiled into the op
     (_view_reader: no separate dispatch), its offset an argument where it can be
-    (storage.runtime_offset); a padded view's mark (_key_beyond)."""
+    (storage.runtime_offset); a padded view's mark (_key_beyond). True for a view read masked."""
     shape, dtype = v.shape, v.dtype
     key.append(shape)
     key.append(dtype)
@@ -786,11 +794,10 @@ def _key_tensor(v, st, key, dyn) -> None:
         else:
             key.append((st.shape, st.dtype, v.stride()))
             dyn.append((st.value(), offset))
-    if st.padding is not None:
-        _key_beyond(v, key, dyn)
+    return st.padding is not None and _key_beyond(v, key, dyn)
 
 
-def _key_beyond(t, key, dyn) -> None:
+def _key_beyond(t, key, dyn) -> bool:
     """A view of a padded storage that padding.py's rule marked (padding._masked): its positions
     from n on are read as a fill value, in the op's program; n, which changes with the data, is
     an argument next to the view's array."""
@@ -799,6 +806,8 @@ def _key_beyond(t, key, dyn) -> None:
         dim, n, fill = beyond
         key.append(("beyond", dim, repr(fill)))  # repr: -0.0 and 0 differ
         dyn[-1] = (dyn[-1], n)
+        return True
+    return False
 
 
 def masked_reader(t, reader):

@@ -6,13 +6,14 @@ strides, offset and storage shape; numbers; static arguments) and, for a key the
 has already served, calls the same compiled program and wraps its array as storage.wrap does;
 while fused mode records, it records that program into the pending graph as the Python kernel
 does (fusion.record_keyed). A call it cannot key (host tensors, a storage not computed yet, a
-view as an in-place target, a padded storage's tensor for an op whose padding rule does more than
-widen it; a number that does not fit the type CPU converts it to), a new key, and every call while
-debug mode or a second device is in use, runs the Python kernel. A padded storage's tensor (the
-first n positions of a storage of B along one dimension: padding.py) is keyed by B, without n,
-for an op whose rule only widens its arguments (padding.widens: pointwise ops, matmuls along a
-padded row, reductions apart from it, casts); its results are marked with the arguments' n as the
-rule marks them. The Python kernel tells it which program a call used
+view as an in-place target, a padded storage's tensor for an op without a keyed padding rule; a
+number that does not fit the type CPU converts it to), a new key, and every call while debug mode
+or a second device is in use, runs the Python kernel. A padded storage's tensor (the first n
+positions of a storage of B along one dimension: padding.py) is keyed by B, without n, for an op
+whose rule the key decides (padding.keyed: pointwise ops, matmuls, sums, casts, softmax, index,
+index_select, index_add, accumulating index_put); its results are marked with the arguments' n as
+the rule marks them, and the arguments the rule read masked get n as the program's argument
+beside them, as the Python kernel passed it. The Python kernel tells it which program a call used
 (`stash.last_call`, read by `take_entry`); it is taken only for plain calls: new dense results
 of a functional kernel (row-major, or in the order CPU gives an op on a transposed or permuted
 input, which the C++ kernel makes with the strides the Python kernel gave), a whole-storage
@@ -61,8 +62,9 @@ _library = None  # the helper, opened so that its calls keep the GIL (ctypes.PyD
 def take_entry(qualname, views):
     """For the call of aten::`qualname` that just ran, when it was plain: (its compiled program,
     per view argument in `views` whether the program took it with its offset as an argument,
-    the function recording the program in fused mode); None otherwise (also when the call
-    recorded was another op's)."""
+    the function recording the program in fused mode, the (position, element) of each argument
+    its padding rule read masked, which the program takes with its n); None otherwise (also
+    when the call recorded was another op's)."""
     from .dispatch import _qualname
 
     call = getattr(stash, "last_call", None)
@@ -87,11 +89,15 @@ def take_entry(qualname, views):
     else:
         kernel, key = call  # its results: new dense tensors, row-major or laid out as CPU lays them out
     program = kernel.cache.get(key)
-    if program is None or any(type(w) is tuple and w[:1] == ("beyond",) for w in key):
-        return None  # (a padded view read masked takes its n as an argument: dispatch._key_beyond)
+    if program is None:
+        return None
+    # a padded view read masked takes its n as an argument (dispatch._key_beyond)
+    masked = kernel.masked_of.get(key, ())
+    if not masked and any(type(w) is tuple and w[:1] == ("beyond",) for w in key):
+        return None
     # as LoweredKernel.compute_keyed passes a view: (array, offset) where the offset is an argument
     forms = tuple(storage.runtime_offset(v.untyped_storage()._pjrt, v) is not None for v in views)
-    return program, forms, functools.partial(fusion.record_keyed, kernel.fused_avals, key, program)
+    return program, forms, functools.partial(fusion.record_keyed, kernel.fused_avals, key, program), masked
 
 
 def wanted() -> bool:
@@ -148,7 +154,7 @@ def writes_first_alone(op, lowering) -> bool:
 def codes(op, lowering, sig, kinds, has_call_check, inplace=False) -> str | None:
     """The C++ kernel's per-argument codes for `op` (with `inplace`: an in-place form of the
     op `lowering` computes, or an op that writes its first argument alone), or None when it does
-    not serve it: 't' tensor ('p': one that may be padded, its op's padding rule widening it), 'l' list of
+    not serve it: 't' tensor ('p': one that may be padded, its op's padding rule keyed), 'l' list of
     tensors ('a': cat's, whose appends to a grown sequence go to the Python kernel; 'x': indices,
     integer or None),
     'n' traced number ('c', 'o': one CPU converts with overflow checks to the result's
@@ -191,8 +197,9 @@ def codes(op, lowering, sig, kinds, has_call_check, inplace=False) -> str | None
             not (all(r == "Tensor" for r in returns) or returns == ["List[Tensor]"]):
         return None
     checked = dict(checked_numbers(op, sig, kinds) or ())
-    # a padding rule that only widens its padded arguments (padding.widens): 'p' keys them too
-    tensor = "p" if getattr(padding.rule_for(op, lowering), "widens", False) else "t"
+    # a padding rule whose decision the key fixes with B for n (padding.keyed): 'p' keys padded
+    # arguments by their storages' sizes, and 'x' index lists take padded indices too
+    tensor = "p" if getattr(padding.rule_for(op, lowering), "keyed", False) else "t"
     out = []
     for i, (arg, kind) in enumerate(zip(schema.arguments, kinds)):
         if str(arg.type) not in _TYPES and kind != SCALAR:

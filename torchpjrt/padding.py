@@ -175,20 +175,22 @@ def _mark_results(out, dim, n):
 # ---- the rules -------------------------------------------------------------------------------
 # Each takes (kernel, sig, vals) and returns the result, or NotImplemented for an exact run.
 #
-# A rule marked `widens` calls the op's kernel once, on its padded arguments widened to their
-# whole storages (or marked to be read masked: dispatch keys those apart), and marks every result
-# padded along one dimension with the arguments' n (an in-place one writes its padded target
-# whole). What it decides follows from the arguments' sizes with B for n, their padded dimensions,
-# the other arguments and n being the same for all, so the hot path (hot_path.py) keys such a call
-# without n and replays the program of the whole storages for any n.
+# A rule marked `keyed` calls the op's kernel once, with every padded argument widened to its
+# whole storage or marked to be read masked (its n then an argument of the program: dispatch keys
+# those apart), all with the same n; each result is padded along one dimension with that n, or
+# exact (a contraction, a sum or a scatter over the masked positions); an in-place one writes its
+# target whole. What it decides follows from the arguments' sizes with B for n, their padded
+# dimensions, the other arguments and n being the same for all, and its fills are constants, so
+# the hot path (hot_path.py) keys such a call without n and replays the program of the whole
+# storages for any n, passing n to the masked reads.
 
 
-def widens(rule):
-    rule.widens = True
+def keyed(rule):
+    rule.keyed = True
     return rule
 
 
-@widens
+@keyed
 def _pointwise(kernel, sig, vals):
     found = {}
     tensors = []
@@ -220,7 +222,7 @@ def _pointwise(kernel, sig, vals):
     return _mark_results(_call(kernel, sig, wide), D, n)
 
 
-@widens
+@keyed
 def _pointwise_inplace(kernel, sig, vals):
     """self.sub_(other), self.fill_(v) on a padded self: the whole storage is written (its
     padded positions too, which nobody sees)."""
@@ -311,7 +313,7 @@ def _matmul(first, batched):
                 return NotImplemented
         return _mark_results(_call(kernel, sig, wide), out_dim, n)
 
-    return widens(rule)
+    return keyed(rule)
 
 
 def _reduced_apart(kernel, sig, vals, p, reduced, keepdim):
@@ -323,7 +325,7 @@ def _reduced_apart(kernel, sig, vals, p, reduced, keepdim):
     return _mark_results(_call(kernel, sig, wide), out_dim, n)
 
 
-@widens
+@keyed
 def _sum(kernel, sig, vals):
     x, dims, keepdim = vals[0], vals[1], vals[2]
     p = padded_dim(x)
@@ -337,6 +339,7 @@ def _sum(kernel, sig, vals):
     return _call(kernel, sig, wide)
 
 
+@keyed
 def _sum_all(kernel, sig, vals):
     """x.sum() of a padded x: over the masked storage."""
     p = padded_dim(vals[0])
@@ -394,7 +397,7 @@ def _along_dim(dim_pos):
             wide[i] = _widened(vals[i], d, B)
         return _mark_results(_call(kernel, sig, wide), d, n)
 
-    return widens(rule)
+    return keyed(rule)
 
 
 def _nll_padded(x, target, weight):
@@ -455,6 +458,7 @@ def _mask_dtypes(indices):
     return {t.dtype for t in indices if t is not None and t.dtype in (torch.bool, torch.uint8)}
 
 
+@keyed
 def _index(kernel, sig, vals):
     x, indices = vals[0], list(vals[1])
     masks = _mask_dtypes(indices)
@@ -502,6 +506,7 @@ def _index_with_masks(kernel, sig, vals):
     return _call(kernel, sig, wide) if out is NotImplemented else out
 
 
+@keyed
 def _index_select(kernel, sig, vals):
     x, dim, index = vals[0], vals[1], vals[2]
     p = padded_dim(index)
@@ -513,6 +518,7 @@ def _index_select(kernel, sig, vals):
     return _mark_results(_call(kernel, sig, wide), dim % x.dim(), n)
 
 
+@keyed
 def _index_add(kernel, sig, vals):
     x, dim, index, source = vals[0], vals[1], vals[2], vals[3]
     pi, ps = padded_dim(index), padded_dim(source)
@@ -526,6 +532,7 @@ def _index_add(kernel, sig, vals):
     return _call(kernel, sig, wide)
 
 
+@keyed
 def _index_put(kernel, sig, vals):
     x, indices, values, accumulate = vals[0], list(vals[1]), vals[2], vals[3]
     pv = padded_dim(values)
@@ -623,7 +630,7 @@ def _cat(kernel, sig, vals):
     return _mark_results(_call(kernel, sig, wide), d, n)
 
 
-@widens
+@keyed
 def _to_copy(kernel, sig, vals):
     """x.to(dtype) on the same device: a conversion per position."""
     x, device, memory_format = vals[0], vals[3], vals[6]

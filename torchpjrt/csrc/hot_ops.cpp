@@ -13,7 +13,7 @@
 // address of its own), or for an in-place form hands the result to the target's storage
 // object (Storage.replace, as storage.write does for a whole storage). Everything else goes to
 // the Python kernel: a first call, another eager mode, several devices, host
-// tensors, padded storages but for ops whose padding rule only widens them (code 'p'). So
+// tensors, padded storages but for ops whose padding rule the key decides (code 'p'). So
 // results are the Python kernel's, call for call. Factories and constant fills
 // (torch.empty, zeros, ones, full, ones_like) have a kernel of their own (FactoryKernel, below).
 
@@ -189,6 +189,9 @@ struct Entry {
   std::vector<Result> results;  // none for an in-place form
   // `program` is a kernel_cache.CachedKernel: its loaded executable (`_call`) is called directly
   bool kept = false;
+  // padded arguments the op's padding rule reads masked (padding._masked: positions from n on
+  // read as a fill, in the program): passed as (argument, n), as the Python kernel passed them
+  std::vector<std::pair<int, int>> masked_positions;
   // (traced function, argument treedef, result avals) from the recorder's cache once it has
   // recorded this key, when the arguments and results are flat: later records call
   // fusion._add_node with them, without record_keyed's frame (nullptr: through `recorder`)
@@ -320,7 +323,7 @@ PyObject* storage_attr(PyObject* st, int slot, PyObject* name) {
 }
 
 // `padded`: a padded storage's tensor may be held (padded_whole), for an op whose padding rule
-// only widens its arguments (code 'p').
+// the key decides (code 'p': padding.keyed).
 bool held(const at::Tensor& t, Held& h, bool recording, bool padded = false) {
   if (t.device().type() != c10::DeviceType::PrivateUse1) return false;
   PyObject* py_storage = THPStorage_Wrap(t.storage());
@@ -692,10 +695,11 @@ std::vector<at::Tensor> call_python_kernel(const c10::OperatorHandle& op, c10::A
 class HotKernel final : public c10::OperatorKernel {
  public:
   // codes: per schema argument, 't' tensor ('p' one that may be padded: padding.py's rule for
-  // the op only widens it, so its storage's sizes key it, the result is marked with its n), 'l'
+  // the op is keyed, so its storage's sizes key it, a result is marked with its n and an
+  // argument the rule reads masked gets n beside it), 'l'
   // list of tensors ('a' cat's: an append to a
   // storage with a history of appends goes to the Python kernel, a first append's result is
-  // marked as padding.py marks it; 'x' index's indices: integer tensors or None,
+  // marked as padding.py marks it; 'x' index's indices: integer tensors (padded ones as 'p') or None,
   // a mask goes to the Python kernel), 'n' number (traced unless
   // None/bool/1), 'c' and 'o' such a number that CPU converts with overflow checks to the
   // result's type ('c') or to the type it computes in ('o': float32 for float16 and bfloat16),
@@ -731,11 +735,13 @@ class HotKernel final : public c10::OperatorKernel {
     if (check_recorder_ != nullptr) key.push_back(checked);
     int64_t append_mark = -1;
     int64_t padded_n = -1;
+    bool masks_needed = false;
     bool keyed = budget.load(std::memory_order_relaxed) != 0 && !python_path_wanted() &&
-                 make_key(args, key, dyn, targets, views, recording, append_mark, padded_n);
+                 make_key(args, key, dyn, targets, views, recording, append_mark, padded_n, masks_needed);
     if (keyed) {
       auto it = table_.find(key);
-      if (it != table_.end() && numbers_fit(args, it->second) && with_offsets(it->second, dyn, views)) {
+      if (it != table_.end() && numbers_fit(args, it->second) && with_offsets(it->second, dyn, views) &&
+          with_masks(it->second, dyn, padded_n)) {
         std::vector<at::Tensor> results;
         bool done = inplace_ ? run_inplace(it->second, dyn, targets, recording, checked)
                              : run(it->second, dyn, targets, results, recording, checked, append_mark, padded_n);
@@ -749,7 +755,7 @@ class HotKernel final : public c10::OperatorKernel {
     }
     if (keyed && PyObject_SetAttr(config->stash, config->name_last_call, Py_None) != 0) PyErr_Clear();
     std::vector<at::Tensor> out = call_python(op, args);
-    if (keyed) learn(std::move(key), out, views, padded_n);
+    if (keyed) learn(std::move(key), out, views, padded_n, masks_needed);
     push_results(stack, std::move(out));
   }
 
@@ -879,8 +885,8 @@ class HotKernel final : public c10::OperatorKernel {
   // Element j of a list argument (the last of `dyn`, a list): keyed as a tensor argument is, its
   // array put in the list; false when it cannot be keyed.
   static bool list_element(const at::Tensor& t, size_t j, Held& h, std::vector<int64_t>& key, Arguments& dyn,
-                           std::vector<View>& views, bool recording) {
-    if (!tensor_key(t, h, key, recording)) return false;
+                           std::vector<View>& views, bool recording, int64_t* padded_n = nullptr) {
+    if (!tensor_key(t, h, key, recording, padded_n)) return false;
     geometry_key(t, h, key, views, dyn.size() - 1, static_cast<int>(j));
     Py_INCREF(h.array);
     PyList_SET_ITEM(dyn.items[dyn.size() - 1], static_cast<Py_ssize_t>(j), h.array);
@@ -929,8 +935,11 @@ class HotKernel final : public c10::OperatorKernel {
   // `append_mark`: for a cat padding.py would record as a first append, the dimension its result
   // is marked with (Storage.appended_along); else left -1.
   // `padded_n`: the n of the padded storages among the arguments (code 'p'), or left -1.
+  // `masks_needed`: an in-place form with padded arguments and an exact target, learned only
+  // where its padding rule read them masked.
   bool make_key(c10::ArrayRef<c10::IValue> args, std::vector<int64_t>& key, Arguments& dyn, Arguments& targets,
-                std::vector<View>& views, bool recording, int64_t& append_mark, int64_t& padded_n) {
+                std::vector<View>& views, bool recording, int64_t& append_mark, int64_t& padded_n,
+                bool& masks_needed) {
     bool target_padded = false;
     for (size_t i = 0; i < codes_.size(); i++) {
       const c10::IValue& v = args[i];
@@ -953,7 +962,7 @@ class HotKernel final : public c10::OperatorKernel {
           break;
         }
         case 't':
-        case 'p': {  // 'p': a tensor that may be padded (its op's padding rule only widens it)
+        case 'p': {  // 'p': a tensor that may be padded (its op's padding rule is keyed)
           if (v.isNone()) {
             key.push_back(kNone);
             continue;
@@ -971,8 +980,6 @@ class HotKernel final : public c10::OperatorKernel {
           }
           Held h;
           if (!tensor_key(t, h, key, recording, codes_[i] == 'p' ? &padded_n : nullptr)) return false;
-          // padded arguments with an exact target: CPU's broadcast, which the Python kernel checks
-          if (inplace_ && i > 0 && padded_n >= 0 && !target_padded) return false;
           if (inplace_ && i == 0) {
             target_padded = h.padded_dim >= 0;
             // a view target: the Python kernel scatters into its storage; all of it in another
@@ -1029,7 +1036,8 @@ class HotKernel final : public c10::OperatorKernel {
             const at::Tensor& t = item.toTensor();
             if (t.scalar_type() == c10::ScalarType::Bool || t.scalar_type() == c10::ScalarType::Byte) return false;
             Held h;
-            if (!list_element(t, j, h, key, dyn, views, recording)) return false;
+            // padded indices (a routing's positions): keyed by B, as 'p' tensors are
+            if (!list_element(t, j, h, key, dyn, views, recording, &padded_n)) return false;
           }
           break;
         }
@@ -1068,6 +1076,10 @@ class HotKernel final : public c10::OperatorKernel {
           return false;
       }
     }
+    // padded arguments with an exact target: served only where the op's padding rule read them
+    // masked (index_add_, an accumulating index_put_); otherwise CPU's broadcast of n positions,
+    // which the Python kernel checks (learn)
+    masks_needed = inplace_ && padded_n >= 0 && !target_padded;
     return true;
   }
 
@@ -1446,6 +1458,33 @@ class HotKernel final : public c10::OperatorKernel {
     return true;
   }
 
+  // The padded arguments read masked as (argument, n), n the padded arguments' (a Python int, as
+  // the Python kernel passes it), after with_offsets made a view's argument (array, offset).
+  static bool with_masks(const Entry& e, Arguments& dyn, int64_t padded_n) {
+    if (e.masked_positions.empty()) return true;
+    if (padded_n < 0) return false;
+    for (auto [position, element] : e.masked_positions) {
+      if (position >= dyn.size()) return false;
+      PyObject* list = element >= 0 ? dyn.items[position] : nullptr;
+      if (list != nullptr && (!PyList_CheckExact(list) || element >= PyList_GET_SIZE(list))) return false;
+      PyObject* item = list != nullptr ? PyList_GET_ITEM(list, element) : dyn.items[position];
+      PyObject* n = PyLong_FromLongLong(padded_n);
+      PyObject* pair = n != nullptr ? PyTuple_Pack(2, item, n) : nullptr;
+      Py_XDECREF(n);
+      if (pair == nullptr) {
+        PyErr_Clear();
+        return false;
+      }
+      if (list != nullptr) {
+        PyList_SetItem(list, element, pair);  // takes `pair`, drops the item's reference
+      } else {
+        Py_DECREF(dyn.items[position]);
+        dyn.items[position] = pair;
+      }
+    }
+    return true;
+  }
+
   // The program's results given to `targets` (the written tensors' storage objects), one each
   // in order; false when anything is not as the Python kernel left it.
   bool run_inplace(const Entry& e, Arguments& dyn, Arguments& targets, bool recording, bool checked) {
@@ -1473,10 +1512,12 @@ class HotKernel final : public c10::OperatorKernel {
   // After a Python kernel call made with `key`: remember its program when it reported the call
   // as plain (new dense results of a functional kernel, row-major or laid out as CPU's; results
   // left out; whole-storage writes) and the results are as run() makes. With padded arguments
-  // (`padded_n` >= 0) only when the op's padding rule ran: the program took the whole storages
+  // (`padded_n` >= 0) only when the op's padding rule ran: the program took the whole storages,
+  // widened or read masked (n then its argument: take_entry's masked positions), and each result
+  // is padded with that n (the rule marked it) or, where it read masked, an exact one
   // (no masked read: take_entry), and each result is padded with that n (the rule marked it).
   void learn(std::vector<int64_t> key, const std::vector<at::Tensor>& out, const std::vector<View>& views,
-             int64_t padded_n) {
+             int64_t padded_n, bool masks_needed) {
     PyObject* view_tensors = PyTuple_New(static_cast<Py_ssize_t>(views.size()));
     if (view_tensors == nullptr) {
       PyErr_Clear();
@@ -1496,13 +1537,27 @@ class HotKernel final : public c10::OperatorKernel {
       PyErr_Clear();
       return;
     }
-    // (program, per view: whether it was passed with its offset), or None
+    // (program, per view: whether it was passed with its offset, recorder, the (position,
+    // element) of each argument read masked), or None
     std::vector<std::pair<int, int>> offset_positions;
+    std::vector<std::pair<int, int>> masked_positions;
     PyObject* program = Py_None;
     PyObject* recorder = Py_None;
     if (found != Py_None) {
-      PyObject* forms = PyTuple_Check(found) && PyTuple_GET_SIZE(found) == 3 ? PyTuple_GET_ITEM(found, 1) : nullptr;
-      if (forms == nullptr || !PyTuple_Check(forms) || PyTuple_GET_SIZE(forms) != static_cast<Py_ssize_t>(views.size())) {
+      const bool shaped = PyTuple_Check(found) && PyTuple_GET_SIZE(found) == 4;
+      PyObject* forms = shaped ? PyTuple_GET_ITEM(found, 1) : nullptr;
+      PyObject* masked = shaped ? PyTuple_GET_ITEM(found, 3) : nullptr;
+      bool ok = forms != nullptr && PyTuple_Check(forms) &&
+                PyTuple_GET_SIZE(forms) == static_cast<Py_ssize_t>(views.size()) && PyTuple_Check(masked);
+      for (Py_ssize_t j = 0; ok && j < PyTuple_GET_SIZE(masked); j++) {
+        PyObject* at = PyTuple_GET_ITEM(masked, j);
+        ok = PyTuple_Check(at) && PyTuple_GET_SIZE(at) == 2;
+        if (ok)
+          masked_positions.emplace_back(static_cast<int>(PyLong_AsLong(PyTuple_GET_ITEM(at, 0))),
+                                        static_cast<int>(PyLong_AsLong(PyTuple_GET_ITEM(at, 1))));
+      }
+      if (!ok || PyErr_Occurred()) {
+        PyErr_Clear();
         Py_DECREF(found);
         return;
       }
@@ -1511,25 +1566,31 @@ class HotKernel final : public c10::OperatorKernel {
       program = PyTuple_GET_ITEM(found, 0);
       recorder = PyTuple_GET_ITEM(found, 2);
     }
+    // masked reads take n as an argument: only with padded arguments (whose n run() passes)
+    const bool masked = !masked_positions.empty();
+    if ((masked && padded_n < 0) || (masks_needed && !masked)) program = Py_None;
     Py_INCREF(program);
     Py_INCREF(recorder);
     Py_DECREF(found);
     const bool kept = program != Py_None && PyObject_HasAttr(program, config->name_call) &&
                       PyObject_HasAttr(program, config->name_traceable);
     if (program != Py_None && inplace_) {  // the result is the written argument: nothing to make
-      table_.emplace(std::move(key), Entry{program, recorder, std::move(offset_positions), {}, kept});
+      Entry e{program, recorder, std::move(offset_positions), {}, kept};
+      e.masked_positions = std::move(masked_positions);
+      table_.emplace(std::move(key), std::move(e));
       return;
     }
     std::vector<Result> results;
     bool plain = program != Py_None;
     for (const at::Tensor& t : out) {
-      if (padded_n >= 0) {
-        Result r;
-        plain = plain && padded_result(t, padded_n, r);
-        if (!plain) break;
+      Result r;
+      if (padded_n >= 0 && plain && padded_result(t, padded_n, r)) {
         results.push_back(r);
         continue;
       }
+      // with padded arguments, a result that is not padded only where the rule read them
+      // masked (a contraction or sum over the padded dimension, a scatter of padded values)
+      if (padded_n >= 0 && !masked) plain = false;
       if (plain && !t.defined() && n_returns_ > 0) {  // a result left out (an output mask's)
         Py_INCREF(Py_None);
         results.push_back(Result{c10::ScalarType::Undefined, Py_None, {}, 0, {}, false});
@@ -1556,7 +1617,9 @@ class HotKernel final : public c10::OperatorKernel {
       }
       return;
     }
-    table_.emplace(std::move(key), Entry{program, recorder, std::move(offset_positions), std::move(results), kept});
+    Entry e{program, recorder, std::move(offset_positions), std::move(results), kept};
+    e.masked_positions = std::move(masked_positions);
+    table_.emplace(std::move(key), std::move(e));
   }
 
   // A result of the padding rule: the first n positions of a new padded storage along one
