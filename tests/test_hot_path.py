@@ -1228,6 +1228,7 @@ def test_padded_storages_are_served_for_ops_whose_rule_the_key_decides(mode):
         "sub_": (lambda t, w: (t * 1.0).sub_(t), True),
         "a row (an exact view) added": (lambda t, w: t + t[:1], True),
         "halves (padded views)": (lambda t, w: t[:, :4] * t[:, 4:], True),
+        "cat along columns": (lambda t, w: torch.cat([t, t * 2], 1), True),
         "sum over rows": (lambda t, w: t.sum(0), False),
         "a column summed": (lambda t, w: t[:, 0].sum(), False),
         "rows contracted (a weight's gradient)": (lambda t, w: t.t() @ (t * 0.5), False),

@@ -609,6 +609,7 @@ def _appended(kernel, sig, vals):
     return _mark(storage.wrap(fusion.call(append, array, storage.read(y), n), x.dtype), d, n + k)
 
 
+@keyed
 def _cat(kernel, sig, vals):
     tensors, dim = list(vals[0]), vals[1]
     if not tensors:

@@ -699,7 +699,7 @@ class HotKernel final : public c10::OperatorKernel {
   // argument the rule reads masked gets n beside it), 'l'
   // list of tensors ('a' cat's: an append to a
   // storage with a history of appends goes to the Python kernel, a first append's result is
-  // marked as padding.py marks it; 'x' index's indices: integer tensors (padded ones as 'p') or None,
+  // marked as padding.py marks it, tensors padded alike keyed as 'p'; 'x' index's indices: integer tensors (padded ones as 'p') or None,
   // a mask goes to the Python kernel), 'n' number (traced unless
   // None/bool/1), 'c' and 'o' such a number that CPU converts with overflow checks to the
   // result's type ('c') or to the type it computes in ('o': float32 for float16 and bfloat16),
@@ -1005,9 +1005,14 @@ class HotKernel final : public c10::OperatorKernel {
           if (list_argument(list.size(), key, dyn) == nullptr) return false;  // list_element fills it
           for (size_t j = 0; j < list.size(); j++) {
             at::Tensor t = list[j];
-            Held h;  // a view: rotate_half's halves
-            if (!t.defined() || !list_element(t, j, h, key, dyn, views, recording)) return false;
-            if (padding_on && j == 0 && !first_append(t, list.get(1), args[i + 1], h.storage, append_mark)) return false;
+            Held h;  // a view: rotate_half's halves; cat's tensors padded alike (padding._cat)
+            if (!t.defined() ||
+                !list_element(t, j, h, key, dyn, views, recording, codes_[i] == 'a' ? &padded_n : nullptr))
+              return false;
+            // (a padded x is never a first append's: padding._appended leaves it unmarked)
+            if (padding_on && j == 0 && h.padded_dim < 0 &&
+                !first_append(t, list.get(1), args[i + 1], h.storage, append_mark))
+              return false;
             if (inplace_ && i == 0) {
               if (!h.whole && !h.reshaped) return false;  // a view target: the Python kernel writes it
               // a tensor written twice: CPU applies the op to it twice, in turn (the Python kernel)
