@@ -83,6 +83,17 @@ def check_vector(failed, *details, dtype=None):
     return jnp.stack([jnp.asarray(failed).astype(dtype)] + [jnp.asarray(d).astype(dtype) for d in details])
 
 
+def first_bad(bad):
+    """(whether any of the 1-D bool array `bad` is set, the position of the first that is): one
+    reduction, where `any` and `argmax` make two (each a loop of its own on the CPU platform)."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    n = bad.shape[0]
+    first = jnp.min(jnp.where(bad, lax.iota(jnp.int64, n), n))  # n when none is
+    return first < n, jnp.minimum(first, n - 1)
+
+
 def first_failure(vectors):
     """The first failed vector of several (or the first one if none failed)."""
     import jax.numpy as jnp

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from jax import lax
 
-from . import DeviceCheck, aten, check_vector, first_failure, lower
+from . import DeviceCheck, aten, check_vector, first_bad, first_failure, lower
 
 
 def _wrap_dim(dim, ndim):
@@ -44,8 +44,8 @@ def out_of_range(index, low, high, dim=0):
     flat = index.reshape(-1).astype(jnp.int64)
     if flat.size == 0:
         return check_vector(False, 0, dim, high)
-    bad = (flat < low) | (flat >= high)
-    return check_vector(bad.any(), flat[jnp.argmax(bad)], dim, high)
+    failed, position = first_bad((flat < low) | (flat >= high))
+    return check_vector(failed, flat[position], dim, high)
 
 
 def _dim_size(self, dim):
@@ -872,9 +872,10 @@ def _bag_keep(indices, padding_idx):
 
 def _bag_indices_in_range(weight, indices, *rest):
     flat = indices.reshape(-1).astype(jnp.int64)
-    bad = (flat < 0) | (flat >= weight.shape[0])
-    position = jnp.argmax(bad) if flat.size else 0
-    return check_vector(bad.any(), position, flat[position] if flat.size else 0, weight.shape[0])
+    if flat.size == 0:
+        return check_vector(False, 0, 0, weight.shape[0])
+    failed, position = first_bad((flat < 0) | (flat >= weight.shape[0]))
+    return check_vector(failed, position, flat[position], weight.shape[0])
 
 
 def _bag_index_error(position, value, rows):

@@ -15,7 +15,7 @@ import torch
 from jax import lax
 
 from ..dtypes import LOW_PRECISION
-from . import TABLE, DeviceCheck, aten, check_vector, lower
+from . import TABLE, DeviceCheck, aten, check_vector, first_bad, lower
 
 
 
@@ -526,9 +526,10 @@ def _nll_backward(grad_output, self, target, weight, reduction, ignore_index, to
 def _nll_targets_in_range(self, target, weight, reduction, ignore_index):
     classes = self.shape[-1] if self.ndim == 1 else self.shape[1]
     flat = target.reshape(-1).astype(jnp.int64)
-    bad = ((flat < 0) | (flat >= classes)) & (flat != ignore_index)
-    first = flat[jnp.argmax(bad)] if flat.size else 0
-    return check_vector(bad.any(), first)
+    if flat.size == 0:
+        return check_vector(False, 0)
+    failed, position = first_bad(((flat < 0) | (flat >= classes)) & (flat != ignore_index))
+    return check_vector(failed, flat[position])
 
 
 @lower(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default,
