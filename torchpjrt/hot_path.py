@@ -11,9 +11,10 @@ number that does not fit the type CPU converts it to), a new key, and every call
 or a second device is in use, runs the Python kernel. A padded storage's tensor (the first n
 positions of a storage of B along one dimension: padding.py) is keyed by B, without n, for an op
 whose rule the key decides (padding.keyed: pointwise ops, matmuls, sums, casts, softmax, index,
-index_select, index_add, accumulating index_put, cat of tensors padded alike); its results are marked with the arguments' n as
-the rule marks them, and the arguments the rule read masked get n as the program's argument
-beside them, as the Python kernel passed it. The Python kernel tells it which program a call used
+index_select, index_add, accumulating index_put, cat of tensors padded alike); its results are
+marked with the arguments' n as the rule marks them, and the arguments the rule read masked get
+n as the program's argument beside them, as the Python kernel passed it. The Python kernel tells
+it which program a call used
 (`stash.last_call`, read by `take_entry`); it is taken only for plain calls: new dense results
 of a functional kernel (row-major, or in the order CPU gives an op on a transposed or permuted
 input, which the C++ kernel makes with the strides the Python kernel gave), a whole-storage

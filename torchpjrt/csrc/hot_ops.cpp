@@ -699,8 +699,9 @@ class HotKernel final : public c10::OperatorKernel {
   // argument the rule reads masked gets n beside it), 'l'
   // list of tensors ('a' cat's: an append to a
   // storage with a history of appends goes to the Python kernel, a first append's result is
-  // marked as padding.py marks it, tensors padded alike keyed as 'p'; 'x' index's indices: integer tensors (padded ones as 'p') or None,
-  // a mask goes to the Python kernel), 'n' number (traced unless
+  // marked as padding.py marks it, tensors padded alike keyed as 'p'; 'x' index's indices:
+  // integer tensors, padded ones keyed as 'p', or None; a mask goes to the Python kernel),
+  // 'n' number (traced unless
   // None/bool/1), 'c' and 'o' such a number that CPU converts with overflow checks to the
   // result's type ('c') or to the type it computes in ('o': float32 for float16 and bfloat16),
   // 'N' number the lowering wants static, 'f' list of numbers (traced; 'C', 'O' checked alike),
@@ -1519,8 +1520,7 @@ class HotKernel final : public c10::OperatorKernel {
   // left out; whole-storage writes) and the results are as run() makes. With padded arguments
   // (`padded_n` >= 0) only when the op's padding rule ran: the program took the whole storages,
   // widened or read masked (n then its argument: take_entry's masked positions), and each result
-  // is padded with that n (the rule marked it) or, where it read masked, an exact one
-  // (no masked read: take_entry), and each result is padded with that n (the rule marked it).
+  // is padded with that n (the rule marked it) or, where it read masked, an exact one.
   void learn(std::vector<int64_t> key, const std::vector<at::Tensor>& out, const std::vector<View>& views,
              int64_t padded_n, bool masks_needed) {
     PyObject* view_tensors = PyTuple_New(static_cast<Py_ssize_t>(views.size()));
