@@ -1446,20 +1446,7 @@ class HotKernel final : public c10::OperatorKernel {
       PyObject* offset = PyLong_FromLongLong(view->offset);
       PyObject* typed = offset != nullptr ? PyObject_CallOneArg(config->int64_type, offset) : nullptr;
       Py_XDECREF(offset);
-      PyObject* list = element >= 0 ? dyn.items[position] : nullptr;
-      PyObject* array = list != nullptr ? PyList_GET_ITEM(list, element) : dyn.items[position];
-      PyObject* pair = typed != nullptr ? PyTuple_Pack(2, array, typed) : nullptr;
-      Py_XDECREF(typed);
-      if (pair == nullptr) {
-        PyErr_Clear();
-        return false;
-      }
-      if (list != nullptr) {
-        PyList_SetItem(list, element, pair);  // takes `pair`, drops the array's reference
-      } else {
-        Py_DECREF(dyn.items[position]);
-        dyn.items[position] = pair;
-      }
+      if (!paired(dyn, position, element, typed)) return false;
     }
     return true;
   }
@@ -1469,24 +1456,30 @@ class HotKernel final : public c10::OperatorKernel {
   static bool with_masks(const Entry& e, Arguments& dyn, int64_t padded_n) {
     if (e.masked_positions.empty()) return true;
     if (padded_n < 0) return false;
-    for (auto [position, element] : e.masked_positions) {
-      if (position >= dyn.size()) return false;
-      PyObject* list = element >= 0 ? dyn.items[position] : nullptr;
-      if (list != nullptr && (!PyList_CheckExact(list) || element >= PyList_GET_SIZE(list))) return false;
-      PyObject* item = list != nullptr ? PyList_GET_ITEM(list, element) : dyn.items[position];
-      PyObject* n = PyLong_FromLongLong(padded_n);
-      PyObject* pair = n != nullptr ? PyTuple_Pack(2, item, n) : nullptr;
-      Py_XDECREF(n);
-      if (pair == nullptr) {
-        PyErr_Clear();
-        return false;
-      }
-      if (list != nullptr) {
-        PyList_SetItem(list, element, pair);  // takes `pair`, drops the item's reference
-      } else {
-        Py_DECREF(dyn.items[position]);
-        dyn.items[position] = pair;
-      }
+    for (auto [position, element] : e.masked_positions)
+      if (!paired(dyn, position, element, PyLong_FromLongLong(padded_n))) return false;
+    return true;
+  }
+
+  // The program's argument at `position` (item `element` of the list there, or -1) replaced by
+  // (that argument, `second`), a reference this call takes; false (no error set) when it cannot be.
+  static bool paired(Arguments& dyn, int position, int element, PyObject* second) {
+    PyObject* list = position < dyn.size() && element >= 0 ? dyn.items[position] : nullptr;
+    const bool there = position < dyn.size() &&
+                       (element < 0 || (PyList_CheckExact(list) && element < PyList_GET_SIZE(list)));
+    PyObject* pair = there && second != nullptr
+                         ? PyTuple_Pack(2, list != nullptr ? PyList_GET_ITEM(list, element) : dyn.items[position], second)
+                         : nullptr;
+    Py_XDECREF(second);
+    if (pair == nullptr) {
+      PyErr_Clear();
+      return false;
+    }
+    if (list != nullptr) {
+      PyList_SetItem(list, element, pair);  // takes `pair`, drops the item's reference
+    } else {
+      Py_DECREF(dyn.items[position]);
+      dyn.items[position] = pair;
     }
     return true;
   }
