@@ -1253,6 +1253,28 @@ def test_padded_storages_are_served_for_ops_whose_rule_the_key_decides(mode):
 
 
 @needs_hot_path
+def test_fills_of_a_padded_storage_are_served_and_keep_its_padding():
+    """zero_() and fill_(number) of rows picked by a mask (n of B rows): the whole storage takes
+    the shared array of B rows, as the Python kernel gives it, for every n of the bucket."""
+    from torchpjrt import padding
+
+    x = torch.randn(64, 8)
+    xd = x.to(DEV)
+    for call, k in enumerate((10, 13, 11, 16)):  # one bucket (16 rows)
+        mask = torch.zeros(64, dtype=torch.bool)
+        mask[:k] = True
+        for fill, value in ((lambda t: t.zero_(), 0.0), (lambda t: t.fill_(2.5), 2.5), (lambda t: t.fill_(-1), -1.0)):
+            rows = xd[mask.to(DEV)] * 1.0
+            out, ops = python_kernel_calls(lambda: fill(rows))
+            assert out is rows
+            if call:
+                assert ops == [], ops
+            assert padding.storage_padding_of(rows) == (k, 16)
+            torch.testing.assert_close(rows.cpu(), torch.full((k, 8), value))
+            torch.testing.assert_close((rows + 1).sum().cpu(), torch.tensor(k * 8 * (value + 1)))
+
+
+@needs_hot_path
 @pytest.mark.parametrize("mode", ["strict", "fused"])
 def test_a_routing_loop_is_served_with_n_passed_to_its_masked_reads(mode):
     """A mixture-of-experts layer's expert loop (transformers' eager experts): the tokens an

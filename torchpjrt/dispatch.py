@@ -1020,11 +1020,12 @@ CONSTANT_FILLS = {aten.zero_.default, aten.fill_.Scalar}
 
 
 def _fill_whole(k, vals) -> bool:
-    """Fill the whole storage of `vals[0]` from a shared result; False when it is not a plain
-    whole storage (a view, a padded storage, several devices) or the fill is too large."""
+    """Fill the whole storage of `vals[0]` from a shared result; False when it is not a whole
+    storage (a view, several devices) or the fill is too large. A padded storage's rule hands
+    its whole storage here (padding._pointwise_inplace): it keeps its padding."""
     self = vals[0]
     st = getattr(self.untyped_storage(), "_pjrt", None)
-    if st is None or st.padding is not None or placement.multi or storage.mesh_placements \
+    if st is None or placement.multi or storage.mesh_placements \
             or not storage.is_identity(self, st) or st.numel * self.dtype.itemsize > storage.SHARED_BYTES:
         return False
     if len(vals) == 1:

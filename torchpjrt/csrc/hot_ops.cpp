@@ -1852,18 +1852,13 @@ class FactoryKernel final : public c10::OperatorKernel {
   }
 
   // The key of zero_() or fill_(number) of a whole storage on pjrt:0 (its dtype, its sizes, the
-  // number's type and bits) and the storage object (a new reference in `st`); false otherwise.
+  // number's type and bits) and the storage object (a new reference in `st`); false otherwise. A
+  // padded storage's tensor that is all of it but the positions from n on (padding.py) is keyed
+  // by the storage's sizes: its rule fills the whole storage, with the same shared array.
   bool fill_key(c10::ArrayRef<c10::IValue> args, std::vector<int64_t>& key, PyObject*& st) {
     if (!args[0].isTensor()) return false;
     const at::Tensor& t = args[0].toTensor();
-    if (!t.defined() || t.device().type() != c10::DeviceType::PrivateUse1 || t.device().index() > 0 ||
-        t.storage_offset() != 0 || !t.is_contiguous())
-      return false;
-    key.push_back(static_cast<int64_t>(t.scalar_type()));
-    key.push_back(t.dim());
-    for (int64_t s : t.sizes()) key.push_back(s);
-    // the number with its type (a bool, an int, a float's bits; complex: the Python kernel)
-    if (kind_ == kFill && (args[1].isNone() || !static_value(args[1], key))) return false;
+    if (!t.defined() || t.device().type() != c10::DeviceType::PrivateUse1 || t.device().index() > 0) return false;
     PyObject* py_storage = THPStorage_Wrap(t.storage());
     if (py_storage == nullptr) {
       PyErr_Clear();
@@ -1875,17 +1870,27 @@ class FactoryKernel final : public c10::OperatorKernel {
       PyErr_Clear();
       return false;
     }
-    // the whole storage, not padded, of the tensor's dtype (storage.is_identity)
+    // the whole storage of the tensor's dtype (storage.is_identity), or all of a padded one
     PyObject* shape = storage_attr(storage, kShape, config->name_shape);
     PyObject* dtype = storage_attr(storage, kDtype, config->name_dtype);
     PyObject* padding = storage_attr(storage, kPadding, config->name_padding);
-    std::vector<int64_t> sizes;
-    bool ok = dtype != nullptr && padding == Py_None &&
-              dtype == reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type())) && int_tuple(shape, sizes) &&
-              t.sizes().equals(sizes);
+    std::vector<int64_t> sizes, pad;
+    bool ok = dtype != nullptr && padding != nullptr &&
+              dtype == reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type())) && int_tuple(shape, sizes);
+    if (ok && padding == Py_None) {
+      ok = t.storage_offset() == 0 && t.is_contiguous() && t.sizes().equals(sizes);
+    } else if (ok) {
+      Held h;
+      ok = int_tuple(padding, pad) && pad.size() == 3 && padded_tensor(t, sizes, pad[0], pad[1], pad[2], h) && h.whole;
+    }
     Py_XDECREF(shape);
     Py_XDECREF(dtype);
     Py_XDECREF(padding);
+    key.push_back(static_cast<int64_t>(t.scalar_type()));
+    key.push_back(static_cast<int64_t>(sizes.size()));
+    for (int64_t s : sizes) key.push_back(s);
+    // the number with its type (a bool, an int, a float's bits; complex: the Python kernel)
+    if (ok && kind_ == kFill) ok = !args[1].isNone() && static_value(args[1], key);
     if (!ok) {
       PyErr_Clear();
       Py_DECREF(storage);
