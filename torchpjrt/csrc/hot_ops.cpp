@@ -1858,7 +1858,10 @@ class FactoryKernel final : public c10::OperatorKernel {
   bool fill_key(c10::ArrayRef<c10::IValue> args, std::vector<int64_t>& key, PyObject*& st) {
     if (!args[0].isTensor()) return false;
     const at::Tensor& t = args[0].toTensor();
-    if (!t.defined() || t.device().type() != c10::DeviceType::PrivateUse1 || t.device().index() > 0) return false;
+    // a view from an offset is neither a whole storage nor all of a padded one: no storage lookups
+    if (!t.defined() || t.device().type() != c10::DeviceType::PrivateUse1 || t.device().index() > 0 ||
+        t.storage_offset() != 0 || (kind_ == kFill && args[1].isNone()))
+      return false;
     PyObject* py_storage = THPStorage_Wrap(t.storage());
     if (py_storage == nullptr) {
       PyErr_Clear();
@@ -1890,7 +1893,7 @@ class FactoryKernel final : public c10::OperatorKernel {
     key.push_back(static_cast<int64_t>(sizes.size()));
     for (int64_t s : sizes) key.push_back(s);
     // the number with its type (a bool, an int, a float's bits; complex: the Python kernel)
-    if (ok && kind_ == kFill) ok = !args[1].isNone() && static_value(args[1], key);
+    if (ok && kind_ == kFill) ok = static_value(args[1], key);
     if (!ok) {
       PyErr_Clear();
       Py_DECREF(storage);
