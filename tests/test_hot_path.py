@@ -695,6 +695,46 @@ def test_foreach_ops_and_an_optimizer_step(mode):
         torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6)
 
 
+TRANSFERS_OF_A_NUMBER_LIST = """
+import jax, torch, torchpjrt
+from torchpjrt import hot_path
+xs, ys, zs = ([torch.rand(3, 4, device="pjrt") + 0.5 for _ in range(21)] for _ in range(3))
+cx, cy, cz = ([t.cpu() for t in ts] for ts in (xs, ys, zs))
+sizes = [0.01 * (i + 1) for i in range(21)]
+for call in range(3):
+    before = hot_path.calls()
+    with jax.transfer_guard_host_to_device("log"):
+        print(f"call {call}", flush=True)
+        torch._foreach_addcdiv_(xs, ys, zs, sizes)
+        torch._foreach_div_(xs, sizes)
+        torch.pjrt.synchronize()
+        print(f"served {hot_path.calls() - before}", flush=True)
+    torch._foreach_addcdiv_(cx, cy, cz, sizes)
+    torch._foreach_div_(cx, sizes)
+for x, c in zip(xs, cx):
+    torch.testing.assert_close(x.cpu(), c)
+print("values match", flush=True)
+"""
+
+
+@needs_hot_path
+def test_a_list_of_numbers_reaches_the_device_in_one_transfer(tmp_path):
+    """An optimizer's per-parameter step sizes (`_foreach_addcdiv_`, `_foreach_div_` with a list
+    of floats) are packed into one array, in the Python kernel and the C++ one: each separate
+    number was a host-to-device transfer of its own."""
+    script = tmp_path / "step_sizes.py"
+    script.write_text(TRANSFERS_OF_A_NUMBER_LIST)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, TORCHPJRT_CACHE_DIR=str(tmp_path / "cache")))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "values match" in out.stdout
+    # JAX logs each transfer (on stderr): two ops a call, three calls
+    transfers = [line for line in out.stderr.splitlines() if "host-to-device transfer" in line]
+    assert len(transfers) == 6, transfers[:3]  # one per op call: Python kernels first, then the hot path
+    assert all("float64[21]" in line for line in transfers[:2])  # the first calls' (JAX names the array)
+    assert out.stdout.count("served 2") == 2  # the second and third calls were the C++ kernel's
+
+
 def calls_while(fn, name_of):
     """(fn's result, name_of(frame) for each Python call while it ran that it names, in order)."""
     calls = []

@@ -101,6 +101,8 @@ struct Config {
   PyObject* take_entry = nullptr;     // (op name, view arguments) -> (program, offset forms) or None
   PyObject* mark_padded = nullptr;    // padding.mark_storage(storage object, n, B, stride)
   PyObject* int64_type = nullptr;     // numpy.int64: a view's offset as the Python kernel passes it
+  PyObject* ndarray_type = nullptr;   // numpy.ndarray: a packed list of numbers (pack_numbers)
+  PyObject* pack_numbers = nullptr;   // dispatch.pack_numbers(list): a traced list as the program takes it
   std::vector<std::pair<PyObject*, PyObject*>> off_when;  // (module dict, name): true -> Python kernel
   PyObject* name_pjrt = nullptr;
   PyObject* name_array = nullptr;
@@ -1067,6 +1069,14 @@ class HotKernel final : public c10::OperatorKernel {
             key.push_back(x.isDouble() ? kDynFloat : x.isBool() ? kBool : kDynInt);
             PyList_SET_ITEM(values, static_cast<Py_ssize_t>(j), value);
           }
+          // as the Python kernel passes it: floats packed into one array (one transfer)
+          PyObject* packed = PyObject_CallOneArg(config->pack_numbers, values);
+          if (packed == nullptr) {
+            PyErr_Clear();
+            return false;
+          }
+          Py_DECREF(dyn.items.back());
+          dyn.items.back() = packed;
           break;
         }
         case 'n':
@@ -1214,6 +1224,14 @@ class HotKernel final : public c10::OperatorKernel {
       Py_XDECREF(weak);
       return sig;
     }
+    if (reinterpret_cast<PyObject*>(Py_TYPE(x)) == config->ndarray_type) {  // (shape, dtype, False)
+      PyObject* shape = PyObject_GetAttr(x, config->name_shape);
+      PyObject* dtype = PyObject_GetAttr(x, config->name_dtype);
+      PyObject* sig = shape && dtype ? PyTuple_Pack(3, shape, dtype, Py_False) : nullptr;
+      Py_XDECREF(shape);
+      Py_XDECREF(dtype);
+      return sig;
+    }
     if (signable(x)) {
       Py_INCREF(Py_TYPE(x));
       return reinterpret_cast<PyObject*>(Py_TYPE(x));
@@ -1222,7 +1240,8 @@ class HotKernel final : public c10::OperatorKernel {
   }
 
   static bool signable(PyObject* x) {
-    return reinterpret_cast<PyObject*>(Py_TYPE(x)) == config->array_type || PyFloat_CheckExact(x) ||
+    return reinterpret_cast<PyObject*>(Py_TYPE(x)) == config->array_type ||
+           reinterpret_cast<PyObject*>(Py_TYPE(x)) == config->ndarray_type || PyFloat_CheckExact(x) ||
            PyLong_CheckExact(x) || PyBool_Check(x) || PyComplex_CheckExact(x) ||
            reinterpret_cast<PyObject*>(Py_TYPE(x)) == config->int64_type;
   }
@@ -1994,11 +2013,12 @@ extern "C" {
 // model: a pjrt tensor as the Python backend makes them (its storage's allocator is taken);
 // int64_type, pending_type: see Config; records: (module, attribute name), true while fused
 // mode records ops (served by recording them); appends: (module, attribute name), true while
-// padding.py marks cat's first appends; mark_padded: see Config.
+// padding.py marks cat's first appends; mark_padded, ndarray_type, pack_numbers: see Config.
 // Returns 0, or -1 with a Python error set.
 int torchpjrt_hot_configure(PyObject* storage_class, PyObject* array_type, PyObject* stash,
                             PyObject* take_entry, PyObject* off_when, PyObject* model, PyObject* int64_type,
-                            PyObject* pending_type, PyObject* records, PyObject* appends, PyObject* mark_padded) {
+                            PyObject* pending_type, PyObject* records, PyObject* appends, PyObject* mark_padded,
+                            PyObject* ndarray_type, PyObject* pack_numbers) {
   if (!THPVariable_Check(model)) {
     PyErr_SetString(PyExc_TypeError, "model must be a tensor");
     return -1;
@@ -2023,7 +2043,9 @@ int torchpjrt_hot_configure(PyObject* storage_class, PyObject* array_type, PyObj
     *into = {dict, name};
   }
   c->mark_padded = mark_padded;
-  for (PyObject* o : {storage_class, array_type, stash, take_entry, mark_padded}) Py_INCREF(o);
+  c->ndarray_type = ndarray_type;
+  c->pack_numbers = pack_numbers;
+  for (PyObject* o : {storage_class, array_type, stash, take_entry, mark_padded, ndarray_type, pack_numbers}) Py_INCREF(o);
   PyObject* seq = PySequence_Fast(off_when, "off_when must be a sequence");
   if (seq == nullptr) return -1;
   for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
