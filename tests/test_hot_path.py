@@ -695,44 +695,62 @@ def test_foreach_ops_and_an_optimizer_step(mode):
         torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6)
 
 
-TRANSFERS_OF_A_NUMBER_LIST = """
-import jax, torch, torchpjrt
+TRANSFERS_OF_NUMBERS = """
+import sys, jax, torch, torchpjrt
 from torchpjrt import hot_path
 xs, ys, zs = ([torch.rand(3, 4, device="pjrt") + 0.5 for _ in range(21)] for _ in range(3))
 cx, cy, cz = ([t.cpu() for t in ts] for ts in (xs, ys, zs))
 sizes = [0.01 * (i + 1) for i in range(21)]
+a = torch.rand(5, 6, device="pjrt")
+h = a.half()
+ca, ch = a.cpu(), h.cpu()
 for call in range(3):
     before = hot_path.calls()
     with jax.transfer_guard_host_to_device("log"):
-        print(f"call {call}", flush=True)
+        print(f"lists {call}", file=sys.stderr, flush=True)
         torch._foreach_addcdiv_(xs, ys, zs, sizes)
         torch._foreach_div_(xs, sizes)
+        print(f"numbers {call}", file=sys.stderr, flush=True)
+        b = a * 2.5 + 3
+        c = (h - 0.125).mul(7)
         torch.pjrt.synchronize()
-        print(f"served {hot_path.calls() - before}", flush=True)
+        print("end", file=sys.stderr, flush=True)
+    print(f"served {hot_path.calls() - before}", flush=True)
     torch._foreach_addcdiv_(cx, cy, cz, sizes)
     torch._foreach_div_(cx, sizes)
-for x, c in zip(xs, cx):
-    torch.testing.assert_close(x.cpu(), c)
+for x, y in zip(xs, cx):
+    torch.testing.assert_close(x.cpu(), y)
+torch.testing.assert_close(b.cpu(), ca * 2.5 + 3, rtol=0, atol=0)
+torch.testing.assert_close(c.cpu(), (ch - 0.125).mul(7), rtol=0, atol=0)
+assert c.dtype == torch.float16
 print("values match", flush=True)
 """
 
 
 @needs_hot_path
-def test_a_list_of_numbers_reaches_the_device_in_one_transfer(tmp_path):
+def test_numbers_reach_the_device_without_a_transfer_each(tmp_path):
     """An optimizer's per-parameter step sizes (`_foreach_addcdiv_`, `_foreach_div_` with a list
-    of floats) are packed into one array, in the Python kernel and the C++ one: each separate
-    number was a host-to-device transfer of its own."""
+    of floats) are packed into one array, in the Python kernel and the C++ one; a number argument
+    (`a * 2.5 + 3`) is a device scalar the C++ kernel keeps per value. Each separate number was a
+    host-to-device transfer of its own. Results are CPU's, dtypes too (a float16 stays float16)."""
     script = tmp_path / "step_sizes.py"
-    script.write_text(TRANSFERS_OF_A_NUMBER_LIST)
+    script.write_text(TRANSFERS_OF_NUMBERS)
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
                          env=dict(os.environ, TORCHPJRT_CACHE_DIR=str(tmp_path / "cache")))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "values match" in out.stdout
-    # JAX logs each transfer (on stderr): two ops a call, three calls
-    transfers = [line for line in out.stderr.splitlines() if "host-to-device transfer" in line]
-    assert len(transfers) == 6, transfers[:3]  # one per op call: Python kernels first, then the hot path
-    assert all("float64[21]" in line for line in transfers[:2])  # the first calls' (JAX names the array)
-    assert out.stdout.count("served 2") == 2  # the second and third calls were the C++ kernel's
+    assert out.stdout.count("served 6") == 2  # the second and third calls are the C++ kernel's
+    # JAX logs each transfer on stderr, between the script's marks
+    transfers, part = {}, None
+    for line in out.stderr.splitlines():
+        if line.startswith(("lists", "numbers", "end")):
+            part = line
+        elif "host-to-device transfer" in line:
+            transfers[part] = transfers.get(part, 0) + 1
+    for call in range(3):
+        assert transfers.get(f"lists {call}") == 2, transfers  # one per op call
+    assert transfers.get("numbers 0") == 4  # the Python kernels' calls pass the numbers
+    assert "numbers 2" not in transfers, transfers  # the kept device scalars
 
 
 def calls_while(fn, name_of):

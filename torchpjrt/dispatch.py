@@ -688,6 +688,13 @@ def pack_numbers(numbers):
     return numbers
 
 
+def device_number(x):
+    """A traced number as a device scalar, weakly typed as jit makes a Python number: the hot path
+    keeps one per value (csrc/hot_ops.cpp device_number), where each number cost the call its
+    own host-to-device transfer."""
+    return jax.device_put(x, storage.default_device())
+
+
 def _unpacked_numbers(pack, n):
     """pack_numbers' floats inside the program: each the weakly typed float64 that jit makes of
     a Python float (`float32 * lr` stays float32), so results are those of the unpacked call."""

@@ -117,7 +117,7 @@ def start():
     if lib is None or path is None or not hasattr(lib, "torchpjrt_hot_register"):
         return None
     py = ctypes.PyDLL(path)
-    py.torchpjrt_hot_configure.argtypes = [ctypes.py_object] * 13
+    py.torchpjrt_hot_configure.argtypes = [ctypes.py_object] * 14
     py.torchpjrt_hot_configure.restype = ctypes.c_int
     py.torchpjrt_hot_register.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.py_object, ctypes.c_int, ctypes.c_int,
                                           ctypes.py_object]
@@ -126,13 +126,13 @@ def start():
     py.torchpjrt_hot_register_factory.restype = ctypes.c_int
     py.torchpjrt_hot_calls.argtypes = []
     py.torchpjrt_hot_calls.restype = ctypes.c_longlong
-    from .dispatch import pack_numbers
+    from .dispatch import device_number, pack_numbers
 
     off_when = [(eager, "debug_enabled"), (placement, "multi"), (storage, "mesh_placements")]
     model = storage._create_empty((0,), torch.float32)
     py.torchpjrt_hot_configure(storage.Storage, ArrayImpl, stash, take_entry, off_when, model, np.int64,
                                fusion.Pending, (fusion, "records_ops"), (padding, "enabled"), padding.mark_storage,
-                               np.ndarray, pack_numbers)
+                               np.ndarray, pack_numbers, device_number)
     py.torchpjrt_hot_budget.argtypes = [ctypes.c_longlong]
     py.torchpjrt_hot_budget.restype = None
     _library = py
