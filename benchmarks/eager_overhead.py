@@ -108,6 +108,7 @@ def op_kinds(baseline, n=2000, repeats=7):
     ja, jb = storage.read(a), storage.read(b)
     add, row_sum, matmul, flat = (jax.jit(jnp.add), jax.jit(lambda x: x.sum(1)), jax.jit(jnp.matmul),
                                   jax.jit(lambda x: x.reshape(4096)))
+    scale = jax.jit(jnp.multiply)
     c, i = torch.randn(64, 64, device="pjrt"), torch.randint(0, 64, (64,), device="pjrt")
     tc, ti = c.to(baseline), i.to(baseline)
     ji = storage.read(i)
@@ -117,6 +118,8 @@ def op_kinds(baseline, n=2000, repeats=7):
                          jax.jit(lambda x, j: x[j]))
     cases = {
         "elementwise a + b": (lambda: a + b, lambda: ta + tb, lambda: add(ja, jb)),
+        # a Python number as an argument (jit is handed the float, as a JAX program passes one)
+        "with a number a * 2.5": (lambda: a * 2.5, lambda: ta * 2.5, lambda: scale(ja, 2.5)),
         "reduction a.sum(1)": (lambda: a.sum(1), lambda: ta.sum(1), lambda: row_sum(ja)),
         "matmul a @ b": (lambda: a @ b, lambda: ta @ tb, lambda: matmul(ja, jb)),
         "view a.view(4096)": (lambda: a.view(4096), lambda: ta.view(4096), lambda: flat(ja)),
