@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from jax._src.lax import lax as lax_internal  # _convert_element_type: the one way to make a value weakly typed
 from torch._ops import OpOverload
 
 from . import device_checks, dtypes, eager, fusion, hot_path, kernel_cache, live_programs, native, padding, placement, random_state, storage
@@ -406,7 +405,7 @@ class LoweredKernel:
                 dyn.append(arrays)
             elif k == SCALAR_LIST and not self.lowering.static:
                 # Adam's per-step bias corrections: traced, or every step would recompile
-                numbers = [x.item() if isinstance(x, torch.Tensor) else x for x in v]
+                numbers = _numbers(v)
                 key.append(tuple(map(type, numbers)))
                 dyn.append(pack_numbers(numbers))
             else:
@@ -677,15 +676,23 @@ def _kinds(sig, lowering):
 _FLOAT64 = np.dtype(np.float64)
 
 
+def _numbers(v):
+    """A list of numbers argument's values, a 0-dim tensor among them read as its number."""
+    return [x.item() if isinstance(x, torch.Tensor) else x for x in v]
+
+
+def _packs(numbers) -> bool:
+    """Whether pack_numbers packs this list: Python floats only (weak float64 once unpacked)."""
+    return bool(numbers) and all(type(x) is float for x in numbers)
+
+
 def pack_numbers(numbers):
     """A traced list of numbers as a program receives it: Python floats (an optimizer's
     per-parameter step sizes) packed into one float64 array, one host-to-device transfer where
     each separate number costs its own (`_foreach_addcdiv_` over 21 tensors: 440-480 us against
-    340-390 here); other lists as they are. The program unpacks them (_unpacked_numbers). The hot path packs
-    alike (csrc/hot_ops.cpp, 'f' codes)."""
-    if numbers and all(type(x) is float for x in numbers):
-        return np.array(numbers, _FLOAT64)
-    return numbers
+    340-390 here); other lists as they are. The program unpacks them (fusion.unpacked_numbers).
+    The hot path packs alike (csrc/hot_ops.cpp, 'f' codes)."""
+    return np.array(numbers, _FLOAT64) if _packs(numbers) else numbers
 
 
 def device_number(x):
@@ -693,12 +700,6 @@ def device_number(x):
     keeps one per value (csrc/hot_ops.cpp device_number), where each number cost the call its
     own host-to-device transfer."""
     return jax.device_put(x, storage.default_device())
-
-
-def _unpacked_numbers(pack, n):
-    """pack_numbers' floats inside the program: each the weakly typed float64 that jit makes of
-    a Python float (`float32 * lr` stays float32), so results are those of the unpacked call."""
-    return [lax_internal._convert_element_type(pack[j], weak_type=True) for j in range(n)]
 
 
 def scalar_is_static(v, i, static_positions):
@@ -758,8 +759,8 @@ def _compile(lowering, sig, vals, static_positions, expected, identity=None, ord
                 list_readers[i] = readers
         elif k == SCALAR_LIST and not lowering.static:
             dynamic.append(i)
-            numbers = [x.item() if isinstance(x, torch.Tensor) else x for x in v]
-            if not isinstance(pack_numbers(numbers), list):
+            numbers = _numbers(v)
+            if _packs(numbers):
                 packed_lists[i] = len(numbers)
         elif k == SCALAR:
             if not scalar_is_static(v, i, static_positions):
@@ -780,7 +781,7 @@ def _compile(lowering, sig, vals, static_positions, expected, identity=None, ord
         for pos, v in zip(dynamic, dyn[:n_dyn]):
             full[pos] = v
         for pos, n in packed_lists.items():
-            full[pos] = _unpacked_numbers(full[pos], n)
+            full[pos] = fusion.unpacked_numbers(full[pos], n)
         for pos, reader in view_readers.items():
             full[pos] = reader(full[pos])
         for pos, readers in list_readers.items():

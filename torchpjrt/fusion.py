@@ -699,6 +699,16 @@ def _prepare_kernels(g) -> None:
 pack_host_scalars_from = 2  # a graph with fewer host scalars passes them as they are
 
 
+def unpacked_numbers(pack, n, weak=True):
+    """Inside a program, the n host numbers packed into array `pack` (one transfer where each
+    number would cost its own): with `weak`, each weakly typed as jit makes a Python number
+    (`float32 * lr` stays float32), so results are those of the unpacked call. Fused graphs and
+    the kernels' packed lists of numbers (dispatch.pack_numbers) both unpack here."""
+    if not weak:
+        return [pack[j] for j in range(n)]
+    return [lax_internal._convert_element_type(pack[j], weak_type=True) for j in range(n)]
+
+
 def _make_replay(nodes, input_slots, out_slots, n_slots, inputs, identity=None):
     """The graph as one jitted function (kept by the kernel cache under `identity`, when given),
     called with the graph's inputs. Host scalars among them
@@ -727,8 +737,8 @@ def _make_replay(nodes, input_slots, out_slots, n_slots, inputs, identity=None):
         for i, v in zip(direct, args):
             values[i] = v
         for (dtype, weak, positions), pack in zip(layout, args[len(direct):]):
-            for j, i in enumerate(positions):
-                values[i] = lax_internal._convert_element_type(pack[j], weak_type=True) if weak else pack[j]
+            for i, v in zip(positions, unpacked_numbers(pack, len(positions), weak)):
+                values[i] = v
         env = [None] * n_slots
         for slot, v in zip(input_slots, values):
             env[slot] = v
