@@ -703,7 +703,9 @@ cx, cy, cz = ([t.cpu() for t in ts] for ts in (xs, ys, zs))
 sizes = [0.01 * (i + 1) for i in range(21)]
 a = torch.rand(5, 6, device="pjrt")
 h = a.half()
-ca, ch = a.cpu(), h.cpu()
+w = torch.rand(6, 6, device="pjrt")
+rows = torch.where(torch.tensor([[1, 0, 1, 1, 0]], device="pjrt"))[1]  # as an expert loop routes
+ca, ch, cw, crows = a.cpu(), h.cpu(), w.cpu(), rows.cpu()
 for call in range(3):
     before = hot_path.calls()
     with jax.transfer_guard_host_to_device("log"):
@@ -714,6 +716,10 @@ for call in range(3):
         b = a * 2.5 + 3
         c = (h - 0.125).mul(7)
         torch.pjrt.synchronize()
+        print(f"views {call}", file=sys.stderr, flush=True)
+        d = torch.nn.functional.linear(a[1:4], w) * a[2]  # w.t() and rows of `a`, read at their offsets
+        e = a[rows].sum(0)  # a padded gather's rows, summed up to their n
+        torch.pjrt.synchronize()
         print("end", file=sys.stderr, flush=True)
     print(f"served {hot_path.calls() - before}", flush=True)
     torch._foreach_addcdiv_(cx, cy, cz, sizes)
@@ -723,6 +729,8 @@ for x, y in zip(xs, cx):
 torch.testing.assert_close(b.cpu(), ca * 2.5 + 3, rtol=0, atol=0)
 torch.testing.assert_close(c.cpu(), (ch - 0.125).mul(7), rtol=0, atol=0)
 assert c.dtype == torch.float16
+torch.testing.assert_close(d.cpu(), torch.nn.functional.linear(ca[1:4], cw) * ca[2])
+torch.testing.assert_close(e.cpu(), ca[crows].sum(0))
 print("values match", flush=True)
 """
 
@@ -731,8 +739,10 @@ print("values match", flush=True)
 def test_numbers_reach_the_device_without_a_transfer_each(tmp_path):
     """An optimizer's per-parameter step sizes (`_foreach_addcdiv_`, `_foreach_div_` with a list
     of floats) are packed into one array, in the Python kernel and the C++ one; a number argument
-    (`a * 2.5 + 3`) is a device scalar the C++ kernel keeps per value. Each separate number was a
-    host-to-device transfer of its own. Results are CPU's, dtypes too (a float16 stays float16)."""
+    (`a * 2.5 + 3`) is a device scalar the C++ kernel keeps per value, and so are a view's offset
+    (`w.t()` in a linear, a row of `a`) and a padded argument's n (the rows an expert got). Each
+    separate number was a host-to-device transfer of its own. Results are CPU's, dtypes too (a
+    float16 stays float16)."""
     script = tmp_path / "step_sizes.py"
     script.write_text(TRANSFERS_OF_NUMBERS)
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
@@ -740,11 +750,11 @@ def test_numbers_reach_the_device_without_a_transfer_each(tmp_path):
                          env=dict(os.environ, TORCHPJRT_CACHE_DIR=str(tmp_path / "cache"), TF_CPP_MIN_LOG_LEVEL="0"))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "values match" in out.stdout
-    assert out.stdout.count("served 6") == 2  # the second and third calls are the C++ kernel's
+    assert out.stdout.count("served 10") == 2  # the second and third calls are the C++ kernel's
     # JAX logs each transfer on stderr, between the script's marks
     transfers, part = {}, None
     for line in out.stderr.splitlines():
-        if line.startswith(("lists", "numbers", "end")):
+        if line.startswith(("lists", "numbers", "views", "end")):
             part = line
         elif "host-to-device transfer" in line:
             transfers[part] = transfers.get(part, 0) + 1
@@ -752,6 +762,7 @@ def test_numbers_reach_the_device_without_a_transfer_each(tmp_path):
         assert transfers.get(f"lists {call}") == 2, transfers  # one per op call
     assert transfers.get("numbers 0") == 4  # the Python kernels' calls pass the numbers
     assert "numbers 2" not in transfers, transfers  # the kept device scalars
+    assert "views 2" not in transfers, transfers  # views' offsets and padded sizes kept alike
 
 
 def calls_while(fn, name_of):

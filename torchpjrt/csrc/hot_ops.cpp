@@ -553,20 +553,35 @@ bool static_value(const c10::IValue& v, std::vector<int64_t>& key);
 // number, so the program is the same. Not while fused mode records: a graph packs its host
 // numbers into one array (fusion._make_replay), and per-step values (a learning rate) would
 // make a device scalar each. Dropped all at once past kDeviceNumbersKept values.
-std::unordered_map<int64_t, PyObject*> device_numbers[2];  // [float bits, int value] -> jax.Array
+// A view's offset and a padded argument's n, which the program also takes as arguments (an
+// np.int64 and a Python int, as the Python kernel passes them), are kept alike: a view of a weight
+// (`w.t()` in every linear) read through its offset cost each call a transfer too.
+enum NumberKind { kFloatNumber, kIntNumber, kInt64Number };
+std::unordered_map<int64_t, PyObject*> device_numbers[3];  // [NumberKind][float bits or int] -> jax.Array
 constexpr size_t kDeviceNumbersKept = 1024;
 
-// A new reference: the device scalar of a float (`bits`, its bits) or an int; nullptr with an error.
-PyObject* device_number(bool is_float, int64_t word) {
-  auto& kept = device_numbers[is_float ? 0 : 1];
+// A new reference: the device scalar of a float (`word`, its bits), an int (weakly typed) or an
+// np.int64 (`word`); nullptr with an error.
+PyObject* device_number(NumberKind kind, int64_t word) {
+  auto& kept = device_numbers[kind];
   auto found = kept.find(word);
   if (found != kept.end()) {
     Py_INCREF(found->second);
     return found->second;
   }
-  double value = 0;
-  if (is_float) std::memcpy(&value, &word, sizeof value);
-  PyObject* number = is_float ? PyFloat_FromDouble(value) : PyLong_FromLongLong(word);
+  PyObject* number = nullptr;
+  if (kind == kFloatNumber) {
+    double value = 0;
+    std::memcpy(&value, &word, sizeof value);
+    number = PyFloat_FromDouble(value);
+  } else {
+    number = PyLong_FromLongLong(word);
+    if (number != nullptr && kind == kInt64Number) {
+      PyObject* typed = PyObject_CallOneArg(config->int64_type, number);
+      Py_DECREF(number);
+      number = typed;
+    }
+  }
   PyObject* scalar = number != nullptr ? PyObject_CallOneArg(config->device_number, number) : nullptr;
   Py_XDECREF(number);
   if (scalar == nullptr) return nullptr;
@@ -582,11 +597,11 @@ PyObject* device_number(bool is_float, int64_t word) {
 bool number(const c10::IValue& v, std::vector<int64_t>& key, Arguments& dyn, bool on_device, bool wrapped = false) {
   if (v.isInt() && v.toInt() != 1) {
     key.push_back(kDynInt);
-    return dyn.push(on_device ? device_number(false, v.toInt()) : PyLong_FromLongLong(v.toInt()));
+    return dyn.push(on_device ? device_number(kIntNumber, v.toInt()) : PyLong_FromLongLong(v.toInt()));
   }
   if (v.isDouble() && !(wrapped && v.toDouble() == 1.0)) {
     key.push_back(kDynFloat);
-    return dyn.push(on_device ? device_number(true, bits_of(v.toDouble())) : PyFloat_FromDouble(v.toDouble()));
+    return dyn.push(on_device ? device_number(kFloatNumber, bits_of(v.toDouble())) : PyFloat_FromDouble(v.toDouble()));
   }
   return (v.isNone() || v.isBool() || v.isInt() || v.isDouble()) && static_value(v, key);
 }
@@ -776,8 +791,8 @@ class HotKernel final : public c10::OperatorKernel {
                  make_key(args, key, dyn, targets, views, recording, append_mark, padded_n, masks_needed);
     if (keyed) {
       auto it = table_.find(key);
-      if (it != table_.end() && numbers_fit(args, it->second) && with_offsets(it->second, dyn, views) &&
-          with_masks(it->second, dyn, padded_n)) {
+      if (it != table_.end() && numbers_fit(args, it->second) && with_offsets(it->second, dyn, views, !recording) &&
+          with_masks(it->second, dyn, padded_n, !recording)) {
         std::vector<at::Tensor> results;
         bool done = inplace_ ? run_inplace(it->second, dyn, targets, recording, checked)
                              : run(it->second, dyn, targets, results, recording, checked, append_mark, padded_n);
@@ -1488,28 +1503,37 @@ class HotKernel final : public c10::OperatorKernel {
     return true;
   }
 
-  // The view arguments the program takes with their offset (storage.runtime_offset), as tuples.
-  static bool with_offsets(const Entry& e, Arguments& dyn, const std::vector<View>& views) {
+  // The view arguments the program takes with their offset (storage.runtime_offset: an np.int64,
+  // or its device scalar `on_device`), as tuples.
+  static bool with_offsets(const Entry& e, Arguments& dyn, const std::vector<View>& views, bool on_device) {
     for (auto [position, element] : e.offset_positions) {
       const View* view = nullptr;
       for (const View& v : views)
         if (v.position == position && v.element == element) view = &v;
       if (view == nullptr) return false;
-      PyObject* offset = PyLong_FromLongLong(view->offset);
-      PyObject* typed = offset != nullptr ? PyObject_CallOneArg(config->int64_type, offset) : nullptr;
-      Py_XDECREF(offset);
+      PyObject* typed = nullptr;
+      if (on_device) {
+        typed = device_number(kInt64Number, view->offset);
+      } else {
+        PyObject* offset = PyLong_FromLongLong(view->offset);
+        typed = offset != nullptr ? PyObject_CallOneArg(config->int64_type, offset) : nullptr;
+        Py_XDECREF(offset);
+      }
       if (!paired(dyn, position, element, typed)) return false;
     }
     return true;
   }
 
   // The padded arguments read masked as (argument, n), n the padded arguments' (a Python int, as
-  // the Python kernel passes it), after with_offsets made a view's argument (array, offset).
-  static bool with_masks(const Entry& e, Arguments& dyn, int64_t padded_n) {
+  // the Python kernel passes it, or its device scalar `on_device`), after with_offsets made a
+  // view's argument (array, offset).
+  static bool with_masks(const Entry& e, Arguments& dyn, int64_t padded_n, bool on_device) {
     if (e.masked_positions.empty()) return true;
     if (padded_n < 0) return false;
     for (auto [position, element] : e.masked_positions)
-      if (!paired(dyn, position, element, PyLong_FromLongLong(padded_n))) return false;
+      if (!paired(dyn, position, element,
+                  on_device ? device_number(kIntNumber, padded_n) : PyLong_FromLongLong(padded_n)))
+        return false;
     return true;
   }
 
