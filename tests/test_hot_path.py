@@ -1345,6 +1345,30 @@ def test_fills_of_a_padded_storage_are_served_and_keep_its_padding():
 
 
 @needs_hot_path
+def test_like_factories_of_plain_tensors_are_served_while_padded_storages_live():
+    """zeros_like and ones_like (empty_like, then a fill) of a plain tensor run no Python kernel
+    while a padded storage is alive (autograd's gradients next to an expert loop's rows); of the
+    padded rows themselves they are padded alike, by padding.empty_like."""
+    from torchpjrt import padding
+
+    x = torch.randn(64, 8, device=DEV)
+    mask = torch.zeros(64, dtype=torch.bool)
+    mask[:10] = True
+    rows = x[mask.to(DEV)]  # 10 of 16 rows: a padded storage, alive
+    assert padding.live and padding.storage_padding_of(rows) == (10, 16)
+    torch.zeros_like(x), torch.ones_like(x)  # the fills' Python kernels teach the C++ ones
+    for make, value in ((torch.zeros_like, 0.0), (torch.ones_like, 1.0)):
+        out, ops = python_kernel_calls(lambda: make(x))
+        assert ops == [], ops
+        assert padding.storage_padding_of(out) is None
+        torch.testing.assert_close(out.cpu(), torch.full((64, 8), value))
+        like, ops = python_kernel_calls(lambda: make(rows))
+        assert ops[:1] == ["aten.empty_like.default"], ops  # padded alike in Python
+        assert padding.storage_padding_of(like) == (10, 16)
+        torch.testing.assert_close(like.cpu(), torch.full((10, 8), value))
+
+
+@needs_hot_path
 @pytest.mark.parametrize("mode", ["strict", "fused"])
 def test_a_routing_loop_is_served_with_n_passed_to_its_masked_reads(mode):
     """A mixture-of-experts layer's expert loop (transformers' eager experts): the tokens an

@@ -26,7 +26,7 @@ Factories and constant fills have C++ kernels of their own (FACTORIES): torch.em
 empty_strided of a dense row-major tensor on pjrt:0 make the same storage object storage.empty
 makes; zero_() and fill_(number) of a whole small storage give it the shared array the Python
 kernel gave the same shape, dtype and number (learned through `stash.last_fill`); empty_like runs
-PyTorch's composite kernel (so the C++ empty) unless a padded storage is alive. Ops without tensor
+PyTorch's composite kernel (so the C++ empty) unless its tensor's storage is padded. Ops without tensor
 arguments (arange, eye, tril_indices: shares_result) wrap the result the Python kernel keeps for the
 same arguments (learned through `stash.last_shared`).
 

@@ -325,6 +325,21 @@ PyObject* storage_attr(PyObject* st, int slot, PyObject* name) {
   return PyObject_GetAttr(st, name);
 }
 
+// Whether tensor `v`'s storage may be padded (padding.py): false only for a pjrt tensor whose
+// storage object says it is not.
+bool may_be_padded(const c10::IValue& v) {
+  if (!v.isTensor() || v.toTensor().device().type() != c10::DeviceType::PrivateUse1) return true;
+  PyObject* py_storage = THPStorage_Wrap(v.toTensor().storage());
+  PyObject* st = py_storage != nullptr ? PyObject_GetAttr(py_storage, config->name_pjrt) : nullptr;
+  Py_XDECREF(py_storage);
+  PyObject* padding = st != nullptr ? storage_attr(st, kPadding, config->name_padding) : nullptr;
+  Py_XDECREF(st);
+  const bool plain = padding == Py_None;
+  Py_XDECREF(padding);
+  if (padding == nullptr) PyErr_Clear();
+  return !plain;
+}
+
 // `padded`: a padded storage's tensor may be held (padded_whole), for an op whose padding rule
 // the key decides (code 'p': padding.keyed).
 bool held(const at::Tensor& t, Held& h, bool recording, bool padded = false) {
@@ -1753,8 +1768,8 @@ class HotKernel final : public c10::OperatorKernel {
 // storage object holds no array yet (storage.empty), and a fill of a whole small storage gets the
 // same shared array the Python kernel gave it (storage.filled, storage.zeros: one array per shape,
 // dtype and number, learned from the Python kernel's first call through `stash.last_fill`).
-// empty_like goes to PyTorch's own composite kernel (so to the empty kernel here) unless a padded
-// storage is alive: padding.empty_like pads a padded tensor's result alike. None of them runs a
+// empty_like goes to PyTorch's own composite kernel (so to the empty kernel here) unless its
+// tensor's storage is padded: padding.empty_like pads a padded tensor's result alike. None of them runs a
 // program, so they are not counted against a flush-heavy region (`calls`, `budget`).
 class FactoryKernel final : public c10::OperatorKernel {
  public:
@@ -1775,7 +1790,9 @@ class FactoryKernel final : public c10::OperatorKernel {
       bool python;
       {
         GilHeld gil;
-        python = python_path_wanted() || is_set(flag_.first, flag_.second);
+        // while padded storages are alive, only a padded tensor's result is padded alike
+        python = python_path_wanted() ||
+                 (is_set(flag_.first, flag_.second) && may_be_padded(torch::jit::peek(*stack, 0, n)));
       }
       if (!python) {
         op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CompositeExplicitAutograd), stack);
