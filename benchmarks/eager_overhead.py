@@ -109,6 +109,7 @@ def op_kinds(baseline, n=2000, repeats=7):
     add, row_sum, matmul, flat = (jax.jit(jnp.add), jax.jit(lambda x: x.sum(1)), jax.jit(jnp.matmul),
                                   jax.jit(lambda x: x.reshape(4096)))
     scale = jax.jit(jnp.multiply)
+    linear = jax.jit(lambda x, w: x @ w.T)
     c, i = torch.randn(64, 64, device="pjrt"), torch.randint(0, 64, (64,), device="pjrt")
     tc, ti = c.to(baseline), i.to(baseline)
     ji = storage.read(i)
@@ -122,6 +123,9 @@ def op_kinds(baseline, n=2000, repeats=7):
         "with a number a * 2.5": (lambda: a * 2.5, lambda: ta * 2.5, lambda: scale(ja, 2.5)),
         "reduction a.sum(1)": (lambda: a.sum(1), lambda: ta.sum(1), lambda: row_sum(ja)),
         "matmul a @ b": (lambda: a @ b, lambda: ta @ tb, lambda: matmul(ja, jb)),
+        # a view argument: the weight as nn.Linear reads it (w.t(), read in the program at its offset)
+        "linear F.linear(a, b)": (lambda: torch.nn.functional.linear(a, b), lambda: torch.nn.functional.linear(ta, tb),
+                                  lambda: linear(ja, jb)),
         "view a.view(4096)": (lambda: a.view(4096), lambda: ta.view(4096), lambda: flat(ja)),
         "in-place a.add_(b)": (lambda: a.add_(b), lambda: ta.add_(tb), lambda: add(ja, jb)),
         # factories, fills, casts and data movement: what autograd, optimizers and models make
