@@ -325,13 +325,21 @@ PyObject* storage_attr(PyObject* st, int slot, PyObject* name) {
   return PyObject_GetAttr(st, name);
 }
 
+// The storage object (storage.Storage, `_pjrt` on its UntypedStorage) of pjrt tensor `t`: a new
+// reference, or nullptr with no error set.
+PyObject* storage_object(const at::Tensor& t) {
+  PyObject* py_storage = THPStorage_Wrap(t.storage());
+  PyObject* st = py_storage != nullptr ? PyObject_GetAttr(py_storage, config->name_pjrt) : nullptr;
+  Py_XDECREF(py_storage);
+  if (st == nullptr) PyErr_Clear();
+  return st;
+}
+
 // Whether tensor `v`'s storage may be padded (padding.py): false only for a pjrt tensor whose
 // storage object says it is not.
 bool may_be_padded(const c10::IValue& v) {
   if (!v.isTensor() || v.toTensor().device().type() != c10::DeviceType::PrivateUse1) return true;
-  PyObject* py_storage = THPStorage_Wrap(v.toTensor().storage());
-  PyObject* st = py_storage != nullptr ? PyObject_GetAttr(py_storage, config->name_pjrt) : nullptr;
-  Py_XDECREF(py_storage);
+  PyObject* st = storage_object(v.toTensor());
   PyObject* padding = st != nullptr ? storage_attr(st, kPadding, config->name_padding) : nullptr;
   Py_XDECREF(st);
   const bool plain = padding == Py_None;
@@ -344,17 +352,8 @@ bool may_be_padded(const c10::IValue& v) {
 // the key decides (code 'p': padding.keyed).
 bool held(const at::Tensor& t, Held& h, bool recording, bool padded = false) {
   if (t.device().type() != c10::DeviceType::PrivateUse1) return false;
-  PyObject* py_storage = THPStorage_Wrap(t.storage());
-  if (py_storage == nullptr) {
-    PyErr_Clear();
-    return false;
-  }
-  h.storage = PyObject_GetAttr(py_storage, config->name_pjrt);
-  Py_DECREF(py_storage);
-  if (h.storage == nullptr) {
-    PyErr_Clear();
-    return false;
-  }
+  h.storage = storage_object(t);
+  if (h.storage == nullptr) return false;
   h.array = storage_attr(h.storage, kArray, config->name_array);
   PyObject* shape = storage_attr(h.storage, kShape, config->name_shape);
   PyObject* dtype = storage_attr(h.storage, kDtype, config->name_dtype);
@@ -544,11 +543,9 @@ at::Tensor wrap(PyObject* array, const Result& r, bool recording, int64_t append
 // gives arrays of the same shape, which for a result laid out in memory order (or with a
 // size-1 dimension out of place) is not the tensor's sizes.
 PyObject* storage_shape(const at::Tensor& t) {
-  PyObject* py_storage = THPStorage_Wrap(t.storage());
-  PyObject* st = py_storage != nullptr ? PyObject_GetAttr(py_storage, config->name_pjrt) : nullptr;
+  PyObject* st = storage_object(t);
   PyObject* shape = st != nullptr ? PyObject_GetAttr(st, config->name_shape) : nullptr;
   Py_XDECREF(st);
-  Py_XDECREF(py_storage);
   if (shape == nullptr || !PyTuple_CheckExact(shape)) {
     PyErr_Clear();
     Py_XDECREF(shape);
@@ -575,6 +572,15 @@ enum NumberKind { kFloatNumber, kIntNumber, kInt64Number };
 std::unordered_map<int64_t, PyObject*> device_numbers[3];  // [NumberKind][float bits or int] -> jax.Array
 constexpr size_t kDeviceNumbersKept = 1024;
 
+// A new reference: `value` as an np.int64 (a view's offset as the Python kernel passes it), or
+// nullptr with an error.
+PyObject* host_int64(int64_t value) {
+  PyObject* number = PyLong_FromLongLong(value);
+  PyObject* typed = number != nullptr ? PyObject_CallOneArg(config->int64_type, number) : nullptr;
+  Py_XDECREF(number);
+  return typed;
+}
+
 // A new reference: the device scalar of a float (`word`, its bits), an int (weakly typed) or an
 // np.int64 (`word`); nullptr with an error.
 PyObject* device_number(NumberKind kind, int64_t word) {
@@ -590,12 +596,7 @@ PyObject* device_number(NumberKind kind, int64_t word) {
     std::memcpy(&value, &word, sizeof value);
     number = PyFloat_FromDouble(value);
   } else {
-    number = PyLong_FromLongLong(word);
-    if (number != nullptr && kind == kInt64Number) {
-      PyObject* typed = PyObject_CallOneArg(config->int64_type, number);
-      Py_DECREF(number);
-      number = typed;
-    }
+    number = kind == kInt64Number ? host_int64(word) : PyLong_FromLongLong(word);
   }
   PyObject* scalar = number != nullptr ? PyObject_CallOneArg(config->device_number, number) : nullptr;
   Py_XDECREF(number);
@@ -1526,15 +1527,8 @@ class HotKernel final : public c10::OperatorKernel {
       for (const View& v : views)
         if (v.position == position && v.element == element) view = &v;
       if (view == nullptr) return false;
-      PyObject* typed = nullptr;
-      if (on_device) {
-        typed = device_number(kInt64Number, view->offset);
-      } else {
-        PyObject* offset = PyLong_FromLongLong(view->offset);
-        typed = offset != nullptr ? PyObject_CallOneArg(config->int64_type, offset) : nullptr;
-        Py_XDECREF(offset);
-      }
-      if (!paired(dyn, position, element, typed)) return false;
+      PyObject* offset = on_device ? device_number(kInt64Number, view->offset) : host_int64(view->offset);
+      if (!paired(dyn, position, element, offset)) return false;
     }
     return true;
   }
@@ -1715,8 +1709,7 @@ class HotKernel final : public c10::OperatorKernel {
   // dimension (as padding._mark leaves it), described in `r` as run() makes it.
   static bool padded_result(const at::Tensor& t, int64_t n, Result& r) {
     if (!t.defined() || t.device().type() != c10::DeviceType::PrivateUse1 || t.device().index() > 0) return false;
-    PyObject* py_storage = THPStorage_Wrap(t.storage());
-    PyObject* st = py_storage != nullptr ? PyObject_GetAttr(py_storage, config->name_pjrt) : nullptr;
+    PyObject* st = storage_object(t);
     PyObject* padding = st != nullptr ? PyObject_GetAttr(st, config->name_padding) : nullptr;
     PyObject* shape = storage_shape(t);
     Held h;
@@ -1724,7 +1717,6 @@ class HotKernel final : public c10::OperatorKernel {
     bool ok = int_tuple(padding, pad) && pad.size() == 3 && int_tuple(shape, storage_sizes);
     Py_XDECREF(padding);
     Py_XDECREF(st);
-    Py_XDECREF(py_storage);
     if (PyErr_Occurred()) PyErr_Clear();
     // row-major over the whole storage: the strides run() gives the result (n along the padded dimension)
     std::vector<int64_t> strides(storage_sizes.size());
@@ -1955,17 +1947,8 @@ class FactoryKernel final : public c10::OperatorKernel {
     if (!t.defined() || t.device().type() != c10::DeviceType::PrivateUse1 || t.device().index() > 0 ||
         t.storage_offset() != 0 || (kind_ == kFill && args[1].isNone()))
       return false;
-    PyObject* py_storage = THPStorage_Wrap(t.storage());
-    if (py_storage == nullptr) {
-      PyErr_Clear();
-      return false;
-    }
-    PyObject* storage = PyObject_GetAttr(py_storage, config->name_pjrt);
-    Py_DECREF(py_storage);
-    if (storage == nullptr) {
-      PyErr_Clear();
-      return false;
-    }
+    PyObject* storage = storage_object(t);
+    if (storage == nullptr) return false;
     // the whole storage of the tensor's dtype (storage.is_identity), or all of a padded one
     PyObject* shape = storage_attr(storage, kShape, config->name_shape);
     PyObject* dtype = storage_attr(storage, kDtype, config->name_dtype);
