@@ -1,6 +1,6 @@
 """The accelerator check: what torchpjrt does on a GPU or TPU machine, in under 10 minutes.
 
-    python benchmarks/accelerator_check.py [--out DIR] [--budget 540] [--parts bench,overhead,...]
+    python benchmarks/accelerator_check.py [--out DIR] [--budget 540] [--parts bench,overhead,...] [--quick]
 
 Run it on a machine with an NVIDIA GPU (`jax[cuda]` installed) or a TPU (`jax[tpu]`). Each
 part runs in its own process under its own time limit (and never past the overall budget);
@@ -154,6 +154,8 @@ def main():
     parser.add_argument("--budget", type=float, default=540, help="seconds for all parts together (default 540)")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     parser.add_argument("--label", default=None, help="this machine's name in the bench JSON (torchpjrt bench --label)")
+    parser.add_argument("--quick", action="store_true",
+                        help="the overhead part without its model steps (eager_overhead.py --quick): for a slow CPU")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -179,7 +181,7 @@ def main():
         "bench": [py, "-m", "torchpjrt", "bench", "gpt2", "--size", "small", "--targets", ",".join(bench_targets),
                   "--rounds", "3", "--steps", "5", "--timeout", "150", "--json", str(bench_json)]
                  + (["--label", args.label] if args.label else []),
-        "overhead": [py, str(HERE / "eager_overhead.py"), "--baseline", baseline],
+        "overhead": [py, str(HERE / "eager_overhead.py"), "--baseline", baseline] + (["--quick"] if args.quick else []),
         "modes": [py, str(HERE / "eager_modes.py"), "--baseline", baseline, "--rounds", "3", "--steps", "5"],
         "tests": [py, "-m", "pytest", "-v", "--tb=line", "-p", "no:cacheprovider",
                   "tests/test_semantics.py", "tests/test_training.py"],

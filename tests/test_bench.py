@@ -550,7 +550,8 @@ def test_accelerator_check_runs_its_parts_and_skips_after_a_failed_env(tmp_path)
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "accelerator_check.py")
 
     def check(out, extra_env):
-        r = subprocess.run([sys.executable, script, "--out", str(out), "--parts", "env,overhead,ddp", "--budget", "200"],
+        r = subprocess.run([sys.executable, script, "--out", str(out), "--parts", "env,overhead,ddp", "--budget", "200",
+                            "--quick"],
                            capture_output=True, text=True, timeout=400, env={**os.environ, **extra_env})
         assert r.returncode == 0, r.stderr[-3000:]
         summary = json.loads((out / "accelerator_check.json").read_text())

@@ -203,39 +203,45 @@ TRAINER = """
 import json, os, sys, tempfile
 import torch, transformers
 
-kind, dropout, checkpointing = sys.argv[1], float(sys.argv[2]), sys.argv[3] == "1"
-torch.manual_seed(0)
-if kind == "gpt2":
-    config = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2,
-                                     resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
-    model = transformers.GPT2LMHeadModel(config)
-else:
-    config = transformers.BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                     intermediate_size=64, max_position_embeddings=32, num_labels=3,
-                                     hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
-    model = transformers.BertForSequenceClassification(config)
-g = torch.Generator().manual_seed(1)
-ids = torch.randint(0, 96, (48, 16), generator=g)
-labels = ids if kind == "gpt2" else torch.randint(0, 3, (48,), generator=g)
-rows = [{"input_ids": i, "labels": l} for i, l in zip(ids, labels)]
-out = tempfile.mkdtemp()
-# TrainingArguments' defaults (AdamW fused, linear schedule, dropout on), with gradient checkpointing
-args = transformers.TrainingArguments(output_dir=out, max_steps=20, per_device_train_batch_size=4,
-                                      gradient_checkpointing=checkpointing, logging_steps=1, report_to=[],
-                                      save_strategy="no", seed=0, data_seed=0)
-trainer = transformers.Trainer(model=model, args=args, train_dataset=rows[:40], eval_dataset=rows[40:])
-trainer.train()
-losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-evaluation = trainer.evaluate()["eval_loss"]
-trainer.save_model(os.path.join(out, "final"))
-reloaded = type(model).from_pretrained(os.path.join(out, "final"))
-same = all(torch.equal(a.detach().cpu(), b) for a, b in zip(model.state_dict().values(), reloaded.state_dict().values()))
-print("RESULT " + json.dumps({"device": str(args.device), "model_device": str(next(model.parameters()).device),
-                              "losses": losses, "eval": evaluation, "reloaded_equal": same}))
+def run(kind, dropout, checkpointing):
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                         resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                         intermediate_size=64, max_position_embeddings=32, num_labels=3,
+                                         hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+        model = transformers.BertForSequenceClassification(config)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 96, (48, 16), generator=g)
+    labels = ids if kind == "gpt2" else torch.randint(0, 3, (48,), generator=g)
+    rows = [{"input_ids": i, "labels": l} for i, l in zip(ids, labels)]
+    out = tempfile.mkdtemp()
+    # TrainingArguments' defaults (AdamW fused, linear schedule, dropout on), with gradient checkpointing
+    args = transformers.TrainingArguments(output_dir=out, max_steps=20, per_device_train_batch_size=4,
+                                          gradient_checkpointing=checkpointing, logging_steps=1, report_to=[],
+                                          save_strategy="no", seed=0, data_seed=0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=rows[:40], eval_dataset=rows[40:])
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    evaluation = trainer.evaluate()["eval_loss"]
+    trainer.save_model(os.path.join(out, "final"))
+    reloaded = type(model).from_pretrained(os.path.join(out, "final"))
+    same = all(torch.equal(a.detach().cpu(), b) for a, b in zip(model.state_dict().values(), reloaded.state_dict().values()))
+    print("RESULT " + json.dumps({"device": str(args.device), "model_device": str(next(model.parameters()).device),
+                                  "losses": losses, "eval": evaluation, "reloaded_equal": same}))
+
+# each run a "dropout:checkpointing" pair; runs after the first share the process (the Trainer seeds
+# every run itself)
+for pair in sys.argv[2:]:
+    dropout, checkpointing = pair.split(":")
+    run(sys.argv[1], float(dropout), checkpointing == "1")
 """
 
 
-@pytest.mark.slow  # fresh processes, 20 steps of two models, four runs each
+@pytest.mark.slow  # fresh processes, 20 steps of two models, four runs each in three processes
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("kind", ["gpt2", "bert"])
 def test_hf_trainer_defaults_train_like_cpu(kind):
@@ -243,15 +249,15 @@ def test_hf_trainer_defaults_train_like_cpu(kind):
     CPU's; with dropout (pjrt draws other random numbers than the CPU by design) checkpointing
     replays the forward's masks, so the run equals the same run without checkpointing."""
     pytest.importorskip("transformers")
-    (cpu,) = _script(TRAINER, kind, "0", "1", env={"ACCELERATE_USE_CPU": "true"})
-    (pjrt,) = _script(TRAINER, kind, "0", "1", env={"ACCELERATE_TORCH_DEVICE": "pjrt"})
+    (cpu,) = _script(TRAINER, kind, "0:1", env={"ACCELERATE_USE_CPU": "true"})
+    (pjrt,) = _script(TRAINER, kind, "0:1", env={"ACCELERATE_TORCH_DEVICE": "pjrt"})
     assert cpu["device"] == "cpu" and pjrt["device"] == "pjrt" and pjrt["model_device"] == "pjrt:0"
     assert len(pjrt["losses"]) == 20
     torch.testing.assert_close(torch.tensor(pjrt["losses"]), torch.tensor(cpu["losses"]), rtol=1e-4, atol=1e-5)
     assert abs(pjrt["eval"] - cpu["eval"]) <= 1e-4 * abs(cpu["eval"])
     assert pjrt["reloaded_equal"] and cpu["reloaded_equal"]
-    (checkpointed,) = _script(TRAINER, kind, "0.1", "1", env={"ACCELERATE_TORCH_DEVICE": "pjrt"})
-    (plain,) = _script(TRAINER, kind, "0.1", "0", env={"ACCELERATE_TORCH_DEVICE": "pjrt"})
+    # with dropout, checkpointed then plain in one process: each run seeds itself as Trainer does
+    checkpointed, plain = _script(TRAINER, kind, "0.1:1", "0.1:0", env={"ACCELERATE_TORCH_DEVICE": "pjrt"})
     assert checkpointed["losses"] != pjrt["losses"]  # dropout is on
     torch.testing.assert_close(torch.tensor(checkpointed["losses"]), torch.tensor(plain["losses"]), rtol=1e-5, atol=1e-6)
 
