@@ -1710,11 +1710,12 @@ class HotKernel final : public c10::OperatorKernel {
   static bool padded_result(const at::Tensor& t, int64_t n, Result& r) {
     if (!t.defined() || t.device().type() != c10::DeviceType::PrivateUse1 || t.device().index() > 0) return false;
     PyObject* st = storage_object(t);
-    PyObject* padding = st != nullptr ? PyObject_GetAttr(st, config->name_padding) : nullptr;
-    PyObject* shape = storage_shape(t);
+    PyObject* padding = st != nullptr ? storage_attr(st, kPadding, config->name_padding) : nullptr;
+    PyObject* shape = st != nullptr ? storage_attr(st, kShape, config->name_shape) : nullptr;
     Held h;
     std::vector<int64_t> pad, storage_sizes;
-    bool ok = int_tuple(padding, pad) && pad.size() == 3 && int_tuple(shape, storage_sizes);
+    bool ok = int_tuple(padding, pad) && pad.size() == 3 && shape != nullptr && PyTuple_CheckExact(shape) &&
+              int_tuple(shape, storage_sizes);
     Py_XDECREF(padding);
     Py_XDECREF(st);
     if (PyErr_Occurred()) PyErr_Clear();
