@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch._ops import OpOverload
 
-from . import device_checks, dtypes, eager, fusion, hot_path, kernel_cache, live_programs, native, padding, placement, random_state, storage
+from . import attention, device_checks, dtypes, eager, fusion, hot_path, kernel_cache, live_programs, native, padding, placement, random_state, storage
 from .device import current_device as _current_device
 from .ops import TABLE, Lowering
 
@@ -1873,6 +1873,8 @@ SPECIAL_KERNELS = {
     "set_.source_Storage_storage_offset": k_set_source_storage_offset,
     "set_": k_set_empty,
     "empty_like": padding.empty_like,
+    "_scaled_dot_product_fused_attention_overrideable": attention.forward_kernel,
+    "_scaled_dot_product_fused_attention_overrideable_backward": attention.backward_kernel,
 }
 
 
@@ -1903,6 +1905,14 @@ def derived_overloads(op):
 
 def _is_composite_implicit(op) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+
+
+def _decomposition_carries_autograd(op) -> bool:
+    """Whether `op`'s autograd comes from its composite decomposition. Not so for an op with an
+    autograd kernel of its own (silu_backward, mish_backward: derivatives.yaml entries): the
+    decomposition serves only backends without a kernel, so a backend kernel keeps autograd and
+    runs one program where the decomposition ran seven."""
+    return _is_composite_implicit(op) and not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Autograd")
 
 
 def _inplace_view_ops():
@@ -1983,7 +1993,7 @@ def register():
     for op, lowering in TABLE.items():
         if not lowering.eager or _qualname(op) in SPECIAL_KERNELS:
             continue
-        if _is_composite_implicit(op):
+        if _decomposition_carries_autograd(op):
             # a backend kernel would shadow the decomposition that carries autograd;
             # such lowerings serve the graph paths only
             continue
@@ -2004,7 +2014,7 @@ def register():
             if "w" in code or writes_first:
                 functional.lowered.hot_writes = True
         for derived in derived_overloads(op):
-            if _qualname(derived) in SPECIAL_KERNELS or _is_composite_implicit(derived):
+            if _qualname(derived) in SPECIAL_KERNELS or _decomposition_carries_autograd(derived):
                 continue
             kernel = _registered(derived, lowering, derived_kernel(derived, op))
             sig = signature(derived)
@@ -2032,4 +2042,5 @@ def register():
     for key in ("SparsePrivateUse1", "SparseCsrPrivateUse1"):
         fb.fallback(_sparse_unsupported, dispatch_key=key, with_keyset=True)
     update_view_kernels()
+    native.when_loaded(attention.adopt)  # its ops have their kernels now
 

@@ -5,6 +5,8 @@ with ctypes.
   can only say "one device, index 0").
 - csrc/views.cpp: CPU's own kernels for the view ops that reach the device (as_strided, view,
   _reshape_alias), in place of a trip into Python per view.
+- csrc/attention.cpp: scaled_dot_product_attention's backend choice for pjrt tensors (one op
+  forward and one backward, attention.py, instead of PyTorch's math path).
 - csrc/hot_ops.cpp: strict mode's hot path for functional ops with one result (hot_path.py);
   built only where Python's headers are installed.
 
@@ -154,6 +156,8 @@ def _load(path: str):
     lib.torchpjrt_set_current_device.argtypes = [ctypes.c_int]
     lib.torchpjrt_native_views.argtypes = [ctypes.c_int]
     lib.torchpjrt_native_views.restype = None
+    lib.torchpjrt_native_attention.argtypes = [ctypes.c_int]
+    lib.torchpjrt_native_attention.restype = None
     return lib
 
 

@@ -196,6 +196,7 @@ _FAMILIES = (
     "optimizers",
     "grouped_mm",
     "asserts",
+    "attention",
 )
 
 
