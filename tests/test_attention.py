@@ -132,7 +132,7 @@ def test_sdpa_under_torch_compile_matches_cpu():
 def test_sdpa_double_backward_refused_by_name_as_on_cpu():
     q = CASES["plain"][0][0].detach()
     for device in ("cpu", "pjrt"):
-        x = q.to(device).requires_grad_()
+        x = q.detach().to(device).requires_grad_()
         (g,) = torch.autograd.grad(F.scaled_dot_product_attention(x, x, x).sum(), x, create_graph=True)
         with pytest.raises(RuntimeError, match="derivative for aten::_scaled_dot_product_.*_backward is not implemented"):
             torch.autograd.grad(g.sum(), x)
@@ -154,3 +154,21 @@ def test_silu_backward_is_one_op_and_keeps_double_backward():
         (second,) = torch.autograd.grad(first.sum(), x)
         (second_p,) = torch.autograd.grad(first_p.sum(), xp)
         torch.testing.assert_close(second_p.cpu(), second, rtol=1e-10, atol=1e-12)
+
+
+def test_sdpa_under_inference_mode_vmap_and_activation_checkpointing():
+    from torch.utils.checkpoint import checkpoint
+
+    q = CASES["causal"][0][0].detach()
+    ref = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    with torch.inference_mode():
+        out = F.scaled_dot_product_attention(q.to("pjrt"), q.to("pjrt"), q.to("pjrt"), is_causal=True)
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
+    per_sample = torch.vmap(lambda x: F.scaled_dot_product_attention(x, x, x))
+    torch.testing.assert_close(per_sample(q.to("pjrt")).cpu(), per_sample(q), rtol=1e-5, atol=1e-5)
+    grads = []
+    for device, wrap in (("cpu", lambda f, x: f(x)), ("pjrt", lambda f, x: checkpoint(f, x, use_reentrant=False))):
+        x = q.detach().to(device).requires_grad_()
+        wrap(lambda t: F.scaled_dot_product_attention(t, t, t, is_causal=True), x).pow(2).sum().backward()
+        grads.append(x.grad.cpu())
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-5)
