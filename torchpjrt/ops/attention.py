@@ -13,12 +13,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ..dtypes import LOW_PRECISION
 from . import aten, lower
-
-
-def _up(x):
-    return x.astype(jnp.float32) if x.dtype in LOW_PRECISION else x
+from .nn import _up
 
 
 def attention(query, key, value, bias, is_causal, scale):
