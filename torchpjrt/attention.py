@@ -16,9 +16,11 @@ gradients and inputs the math path would refuse keep the math path.
 import functools
 import os
 
+import jax.numpy as jnp
+
 from . import storage
 from .ops import Lowering, aten
-from .ops.attention import _logsumexp_shape, attention, attention_backward
+from .ops.attention import attention, attention_backward
 
 FORWARD = aten._scaled_dot_product_fused_attention_overrideable.default
 BACKWARD = aten._scaled_dot_product_fused_attention_overrideable_backward.default
@@ -35,8 +37,7 @@ def adopt(library) -> None:
 
 
 def _forward(query, key, value, attn_bias, dropout_p, is_causal, return_debug_mask, scale):
-    out, logsumexp = attention(query, key, value, attn_bias, is_causal, scale)
-    return out, _logsumexp_shape(logsumexp)
+    return attention(query, key, value, attn_bias, is_causal, scale)
 
 
 def _backward(grad_out, query, key, value, attn_bias, grad_input_mask, out, logsumexp, cum_seq_q, cum_seq_k, max_q,
@@ -44,13 +45,7 @@ def _backward(grad_out, query, key, value, attn_bias, grad_input_mask, out, logs
     grads = attention_backward(grad_out, query, key, value, attn_bias, grad_input_mask, is_causal, scale)
     # one result per input the meta kernel gives a gradient (zeros for those not asked for,
     # which the kernel hands back as None)
-    return tuple(g if g is not None else _zeros(x) for g, x in zip(grads, (query, key, value, attn_bias)) if x is not None)
-
-
-def _zeros(x):
-    import jax.numpy as jnp
-
-    return jnp.zeros(x.shape, x.dtype)
+    return tuple(g if g is not None else jnp.zeros(x.shape, x.dtype) for g, x in zip(grads, (query, key, value, attn_bias)) if x is not None)
 
 
 @functools.cache

@@ -18,7 +18,8 @@ from .nn import _up
 
 
 def attention(query, key, value, bias, is_causal, scale):
-    """(output, logsumexp over the keys in float32) of softmax(q kᵀ · scale + mask) v."""
+    """(output, logsumexp over the keys in float32) of softmax(q kᵀ · scale + mask) v; the
+    logsumexp (batch, heads, length) as PyTorch's meta kernel shapes it, 1 batch for 3-D inputs."""
     q, k, v = _up(query), _up(key), _up(value)
     groups = q.shape[-3] // k.shape[-3]
     if groups != 1:
@@ -39,7 +40,7 @@ def attention(query, key, value, bias, is_causal, scale):
     probs = weights / jnp.where(total == 0, 1.0, total)
     out = jnp.matmul(probs, v).astype(query.dtype)
     logsumexp = (jnp.log(total) + top)[..., 0].astype(jnp.float32)
-    return out, logsumexp
+    return out, logsumexp if logsumexp.ndim == 3 else logsumexp[None]
 
 
 def attention_backward(grad_out, query, key, value, bias, grad_input_mask, is_causal, scale):
@@ -56,11 +57,6 @@ def attention_backward(grad_out, query, key, value, bias, grad_input_mask, is_ca
                  for g, x, wanted in zip(grads, inputs, grad_input_mask))
 
 
-def _logsumexp_shape(out):
-    """(batch, heads, length): the shape PyTorch's meta kernel gives, 1 batch for 3-D inputs."""
-    return out if out.ndim == 3 else out[None]
-
-
 @lower(aten._scaled_dot_product_fused_attention_overrideable.default, graph_only=True)
 def fused_attention(query, key, value, attn_bias=None, dropout_p=0.0, is_causal=False, return_debug_mask=False,
                     scale=None):
@@ -68,7 +64,7 @@ def fused_attention(query, key, value, attn_bias=None, dropout_p=0.0, is_causal=
         raise NotImplementedError("torchpjrt: the fused attention op takes no dropout (the math path does)")
     out, logsumexp = attention(query, key, value, attn_bias, is_causal, scale)
     nothing = jnp.zeros((0,), jnp.int64)
-    return (out, _logsumexp_shape(logsumexp), nothing, nothing, query.shape[-2], key.shape[-2],
+    return (out, logsumexp, nothing, nothing, query.shape[-2], key.shape[-2],
             jnp.zeros((), jnp.int64), jnp.zeros((), jnp.int64), nothing)
 
 
