@@ -1,5 +1,11 @@
+import glob
 import importlib.util
 import os
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # several worker processes may share one GPU: each takes memory as it needs it, rather than
+    # JAX's default of most of the GPU for the first process
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import pytest
 import torch
@@ -66,6 +72,17 @@ def _seed():
 
 def pytest_configure(config):
     os.environ.setdefault("TORCHPJRT_CPU_FALLBACK", "0")
+
+
+def pytest_xdist_auto_num_workers(config):
+    """Worker processes for `-n auto` (pyproject's addopts): one per core, at most 4. One where a
+    TPU is attached: a TPU is held by one process at a time. (PYTEST_XDIST_AUTO_NUM_WORKERS, or
+    `-n N`, chooses otherwise.)"""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own hook reads it
+    if glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"):
+        return 1
+    return max(1, min(len(os.sched_getaffinity(0)), 4))
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import torchpjrt
+from torchpjrt import native
 
 
 def test_plain_tensor_on_pjrt_device():
@@ -107,10 +108,25 @@ def test_missing_platform_is_a_clear_error():
     assert "TORCHPJRT_PLATFORM='no_such_platform'" in r.stderr
 
 
+def _dispatched():
+    stats = torchpjrt.op_stats()
+    return stats.get("lowered", 0) + stats["hot_path"]
+
+
 def test_op_stats_counts_paths():
-    before = torchpjrt.op_stats().get("lowered", 0)
+    # a key's first call takes the Python kernel, later ones the hot path (an earlier test in this
+    # process may have made the first already)
+    before = _dispatched()
     torch.ones(3, device="pjrt") + 1
-    assert torchpjrt.op_stats()["lowered"] > before
+    assert _dispatched() > before
+    x = torch.arange(7.0, device="pjrt")
+    before = torchpjrt.op_stats()
+    for _ in range(3):
+        x.mul(3.0)
+    after = torchpjrt.op_stats()
+    assert after.get("lowered", 0) + after["hot_path"] == before.get("lowered", 0) + before["hot_path"] + 3
+    if native.library() is not None:
+        assert after["hot_path"] >= before["hot_path"] + 2  # served from the second call on
 
 
 @pytest.mark.slow  # a fresh process

@@ -77,8 +77,10 @@ def compile_stats() -> dict:
 
 
 def op_stats() -> dict:
-    """Counts of aten calls per execution path (lowered, view, decomposed, cpu_fallback...)."""
-    return dict(_dispatch.stats)
+    """Counts of aten calls per execution path (hot_path, lowered, view, decomposed, cpu_fallback...)."""
+    from . import hot_path
+
+    return {**_dispatch.stats, "hot_path": hot_path.calls()}
 
 
 __all__ = ["to_jax", "from_jax", "compile_stats", "op_stats", "cpu_fallback_counts", "set_device_checks", "kernel", "export", "load_exported", "ExportError", "set_eager_mode", "get_eager_mode", "eager_mode",
