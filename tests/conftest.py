@@ -82,7 +82,8 @@ def pytest_xdist_auto_num_workers(config):
         return None  # xdist's own hook reads it
     if glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"):
         return 1
-    return max(1, min(len(os.sched_getaffinity(0)), 4))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # (macOS)
+    return max(1, min(cores or 1, 4))
 
 
 @pytest.fixture
