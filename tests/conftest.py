@@ -82,8 +82,9 @@ def pytest_xdist_auto_num_workers(config):
         return None  # xdist's own hook reads it
     if glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"):
         return 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # (macOS)
-    return max(1, min(cores or 1, 4))
+    from torchpjrt.bench.targets import usable_cores
+
+    return max(1, min(usable_cores() or 1, 4))
 
 
 @pytest.fixture

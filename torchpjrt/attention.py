@@ -45,7 +45,8 @@ def _backward(grad_out, query, key, value, attn_bias, grad_input_mask, out, logs
     grads = attention_backward(grad_out, query, key, value, attn_bias, grad_input_mask, is_causal, scale)
     # one result per input the meta kernel gives a gradient (zeros for those not asked for,
     # which the kernel hands back as None)
-    return tuple(g if g is not None else jnp.zeros(x.shape, x.dtype) for g, x in zip(grads, (query, key, value, attn_bias)) if x is not None)
+    return tuple(g if g is not None else jnp.zeros(x.shape, x.dtype)
+                 for g, x in zip(grads, (query, key, value, attn_bias)) if x is not None)
 
 
 @functools.cache
