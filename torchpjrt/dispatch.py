@@ -1438,7 +1438,9 @@ def _slow_path(op, args, kwargs):
 def _decomposition(op):
     from torch._decomp import decomposition_table
 
-    return decomposition_table.get(op)
+    from .transformer_fast_path import DECOMPOSITIONS
+
+    return DECOMPOSITIONS.get(op) or decomposition_table.get(op)
 
 
 def _via_functional(op, functional, args, kwargs):

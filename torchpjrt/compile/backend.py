@@ -59,7 +59,9 @@ def _decompositions():
     """torch._decomp entries for the ops the table does not lower directly."""
     from torch._decomp import core_aten_decompositions
 
-    table = core_aten_decompositions()
+    from ..transformer_fast_path import DECOMPOSITIONS
+
+    table = {**core_aten_decompositions(), **DECOMPOSITIONS}
     return {op: fn for op, fn in table.items() if op not in TABLE}
 
 
