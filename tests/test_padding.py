@@ -323,6 +323,20 @@ def test_masked_select_and_dtype_conversions():
     _check(sel.double().sum(0, keepdim=True), x[x > 0].double().sum(0, keepdim=True), padded=False)
 
 
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_a_reshaped_padded_index_repeated(mode):
+    """`mask.nonzero().squeeze(1).float()` in a loop: the cast reads all of the padded (B, 1)
+    storage in another shape, which its program takes without an offset; fused mode's recording
+    of its later calls passed one (the second iteration failed)."""
+    mask = torch.arange(40) < 5
+    with torchpjrt.eager_mode(mode):
+        for _ in range(3):
+            pm = mask.to("pjrt")
+            got = pm.nonzero().squeeze(1).float()
+            assert got.sum().item() == 10.0
+            _check(got, mask.nonzero().squeeze(1).float())
+
+
 def test_resize_forgets_the_padding():
     idx, pidx = _routed()
     a, pa = _rows(idx, pidx)
