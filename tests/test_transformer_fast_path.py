@@ -12,7 +12,7 @@ import torch.nn as nn
 import torchpjrt
 from torchpjrt import dispatch
 
-MODES = ("strict", "fused")
+MODES = ("strict", pytest.param("fused", marks=pytest.mark.slow))
 
 
 @pytest.fixture(params=MODES)
