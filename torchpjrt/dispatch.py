@@ -212,7 +212,18 @@ def _wrap_norm_dims(sig, mvals):
         mvals[i] = [d + x.dim() if -x.dim() <= d < 0 else d for d in dims]
 
 
-_META_ARG_FIXES = {aten.linalg_vector_norm.default: _wrap_norm_dims, aten.linalg_vector_norm.out: _wrap_norm_dims}
+def _cell_biases(sig, mvals):
+    # the fused LSTM cell's meta kernel checks the biases' devices without skipping absent ones
+    # (nn.LSTM(bias=False)); a bias only adds to the gates, so one of their width stands in
+    gates = mvals[0]
+    for name in ("input_bias", "hidden_bias"):
+        i = sig.names.index(name)
+        if mvals[i] is None:
+            mvals[i] = gates.new_empty((gates.shape[1],))
+
+
+_META_ARG_FIXES = {aten.linalg_vector_norm.default: _wrap_norm_dims, aten.linalg_vector_norm.out: _wrap_norm_dims,
+                   aten._thnn_fused_lstm_cell.default: _cell_biases}
 
 # meta kernels that check a CUDA kernel's limits (_grouped_mm: bfloat16 only, 16-byte strides),
 # which the CPU does not have: the lowering checks what the CPU checks

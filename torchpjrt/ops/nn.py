@@ -479,6 +479,76 @@ def batch_norm_backward(grad_out, input, weight, running_mean, running_var, save
                                 update, eps, output_mask)
 
 
+# ---- recurrent cells ----------------------------------------------------------------------
+# nn.LSTM and nn.GRU on a PrivateUse1 device run each step through these fused cells (as on CUDA),
+# with the gate products computed by matmuls outside. The workspace is what the backward needs:
+# the activated LSTM gates [i, f, g, o]; for GRU [r, z, n, hx, the hidden n-gate product with its
+# bias], as CUDA's kernels keep them. In float32 for float16/bfloat16, as CUDA's opmath.
+
+
+def _cell_gates(input_gates, hidden_gates, input_bias, hidden_bias):
+    x, h = _up(input_gates), _up(hidden_gates)
+    if input_bias is not None:
+        x = x + _up(input_bias)
+    if hidden_bias is not None:
+        h = h + _up(hidden_bias)
+    return x, h
+
+
+@lower(aten._thnn_fused_lstm_cell.default)
+def thnn_fused_lstm_cell(input_gates, hidden_gates, cx, input_bias=None, hidden_bias=None):
+    x, h = _cell_gates(input_gates, hidden_gates, input_bias, hidden_bias)
+    i, f, g, o = jnp.split(x + h, 4, axis=1)
+    i, f, g, o = jax.nn.sigmoid(i), jax.nn.sigmoid(f), jnp.tanh(g), jax.nn.sigmoid(o)
+    cy = f * _up(cx) + i * g
+    hy = o * jnp.tanh(cy)
+    return hy, cy, jnp.concatenate([i, f, g, o], axis=1)
+
+
+@lower(aten._thnn_fused_lstm_cell_backward_impl.default)
+def thnn_fused_lstm_cell_backward_impl(grad_hy, grad_cy, cx, cy, workspace, has_bias):
+    if grad_hy is None and grad_cy is None:
+        return None, None, None
+    i, f, g, o = jnp.split(_up(workspace), 4, axis=1)
+    tanh_cy = jnp.tanh(_up(cy))
+    ghy = _up(grad_hy) if grad_hy is not None else jnp.zeros_like(tanh_cy)
+    gc = ghy * o * (1 - tanh_cy * tanh_cy)
+    if grad_cy is not None:
+        gc = gc + _up(grad_cy)
+    grad_gates = jnp.concatenate([gc * g * (1 - i) * i, gc * _up(cx) * (1 - f) * f, gc * i * (1 - g * g),
+                                  ghy * tanh_cy * (1 - o) * o], axis=1)
+    return grad_gates, gc * f, jnp.sum(grad_gates, 0) if has_bias else None
+
+
+@lower(aten._thnn_fused_gru_cell.default)
+def thnn_fused_gru_cell(input_gates, hidden_gates, hx, input_bias=None, hidden_bias=None):
+    x, h = _cell_gates(input_gates, hidden_gates, input_bias, hidden_bias)
+    xr, xz, xn = jnp.split(x, 3, axis=1)
+    hr, hz, hn = jnp.split(h, 3, axis=1)
+    r, z = jax.nn.sigmoid(xr + hr), jax.nn.sigmoid(xz + hz)
+    n = jnp.tanh(xn + r * hn)
+    prev = _up(hx)
+    hy = n + z * (prev - n)
+    dtype = input_gates.dtype  # no meta kernel casts the results back
+    return hy.astype(dtype), jnp.concatenate([r, z, n, prev, hn], axis=1).astype(dtype)
+
+
+@lower(aten._thnn_fused_gru_cell_backward.default)
+def thnn_fused_gru_cell_backward(grad_hy, workspace, has_bias):
+    r, z, n, prev, hn = jnp.split(_up(workspace), 5, axis=1)
+    g = _up(grad_hy)
+    gz = g * (prev - n) * (1 - z) * z
+    gn = g * (1 - z) * (1 - n * n)
+    gr = gn * hn * (1 - r) * r
+    grad_input = jnp.concatenate([gr, gz, gn], axis=1)
+    grad_hidden = jnp.concatenate([gr, gz, gn * r], axis=1)
+    dtype = grad_hy.dtype
+    out = [grad_input.astype(dtype), grad_hidden.astype(dtype), (g * z).astype(dtype)]
+    if has_bias:
+        return (*out, jnp.sum(grad_input, 0).astype(dtype), jnp.sum(grad_hidden, 0).astype(dtype))
+    return (*out, None, None)
+
+
 # ---- losses (reduction: 0 none, 1 mean, 2 sum) --------------------------------------------
 
 
