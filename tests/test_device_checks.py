@@ -43,6 +43,12 @@ CASES = {
     "multinomial_negative": lambda x, d: torch.multinomial(torch.tensor([0.5, -0.1], device=d), 1),
     "multinomial_zero_sum": lambda x, d: torch.multinomial(torch.zeros(2, 3, device=d), 1),
     "uniform_bounds": lambda x, d: x.uniform_(2.0, 1.0),
+    "floor_divide_by_zero": lambda x, d: x.long() // torch.tensor([1, 0, 2], device=d),
+    "remainder_by_zero": lambda x, d: x.long() % 0,
+    "remainder_of_a_number": lambda x, d: torch.remainder(3, torch.tensor([1, 0], device=d)),
+    "fmod_by_zero": lambda x, d: torch.fmod(x.to(torch.uint8), torch.zeros(3, dtype=torch.uint8, device=d)),
+    "div_trunc_by_zero": lambda x, d: x.int().div(torch.tensor([0, 1, 1], device=d), rounding_mode="trunc"),
+    "floor_divide_in_place": lambda x, d: x.long().floor_divide_(torch.tensor([0, 1, 1], device=d)),
 }
 # ops PyTorch's compiler cannot put in a graph as they are (random draws, in-place on inputs)
 NOT_COMPILED = {"multinomial_negative", "multinomial_zero_sum", "uniform_bounds"}
@@ -130,6 +136,18 @@ def test_valid_indices_never_raise(each_eager_mode):
     assert results[0].cpu().tolist() == cpu[[0, 2, -1, -3]].tolist()
     assert results[4].cpu().tolist() == [0.0, 11.0]
     assert results[8].item() == 1
+    torch.pjrt.synchronize()
+
+
+def test_division_by_zero_raises_for_integers_only(each_eager_mode):
+    """Float division, true division and an empty result give CPU's values, not an error."""
+    a, b = torch.tensor([5, -5]), torch.tensor([0, 2])
+    pa, pb = a.to(DEV), b.to(DEV)
+    pairs = [(pa / pb, a / b), (pa.float() // pb.float(), a.float() // b.float()),
+             (pa.float() % pb.float(), a.float() % b.float()), (torch.fmod(pa.double(), 0), torch.fmod(a.double(), 0)),
+             (pa[:0] // pb[:1], a[:0] // b[:1]), (pa // (pb + 1), a // (b + 1))]
+    for got, want in pairs:
+        torch.testing.assert_close(got.cpu(), want, equal_nan=True)
     torch.pjrt.synchronize()
 
 

@@ -138,3 +138,24 @@ def test_tied_weights_stay_tied_after_to():
     assert dev.head.weight is dev.emb.weight
     dev(ids.to("pjrt")).pow(2).sum().backward()
     torch.testing.assert_close(dev.emb.weight.grad.cpu(), ref.emb.weight.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_weight_norm_trains_like_cpu(dim):
+    """parametrizations.weight_norm: its backward (_weight_norm_interface_backward) along the
+    first and the last dimension, a linear layer and a convolution."""
+    from torch.nn.utils.parametrizations import weight_norm
+
+    torch.manual_seed(0)
+    model = nn.Sequential(weight_norm(nn.Conv1d(4, 6, 3), dim=0), nn.Flatten(), weight_norm(nn.Linear(30, 3), dim=dim))
+    x = torch.randn(2, 4, 7)
+    twin = copy.deepcopy(model).to("pjrt")
+    for m, inp in ((model, x), (twin, x.to("pjrt"))):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(2):
+            opt.zero_grad()
+            m(inp).pow(2).sum().backward()
+            opt.step()
+    for p, q in zip(twin.parameters(), model.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-4, atol=1e-5)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..dtypes import LOW_PRECISION
-from . import aten, lower
+from . import DeviceCheck, aten, check_vector, lower
 
 
 def _is_float(x):
@@ -121,7 +121,21 @@ def div(self, other):
     return _true_div(self, other)
 
 
-@lower(aten.div.Tensor_mode, aten.div.Scalar_mode, static=("other",))
+def _integer_zero_division(self, other, rounding_mode="floor"):
+    """CPU's integer division, floor division, remainder and fmod raise on a zero divisor (checked
+    on the device, device_checks.py); float ones and true division give inf or nan."""
+    x, y = jnp.asarray(self), jnp.asarray(other)
+    dtype = jnp.result_type(self, other)
+    out_size = math.prod(jnp.broadcast_shapes(x.shape, y.shape))
+    if rounding_mode is None or not jnp.issubdtype(dtype, jnp.integer) or out_size == 0:
+        return check_vector(jnp.asarray(False))
+    return check_vector(jnp.any(y == 0))
+
+
+ZERO_DIVISION = DeviceCheck(_integer_zero_division, lambda *details: RuntimeError("ZeroDivisionError"))
+
+
+@lower(aten.div.Tensor_mode, aten.div.Scalar_mode, static=("other",), check=ZERO_DIVISION)
 def div_mode(self, other, rounding_mode=None):
     if rounding_mode is None:
         return _true_div(self, other)
@@ -141,17 +155,17 @@ def _floor_divide(a, b):
     return jnp.floor_divide(a, b)
 
 
-@lower(aten.floor_divide.default, aten.floor_divide.Scalar)
+@lower(aten.floor_divide.default, aten.floor_divide.Scalar, check=ZERO_DIVISION)
 def floor_divide(self, other):
     return _floor_divide(self, other)
 
 
-@lower(aten.remainder.Tensor, aten.remainder.Scalar, aten.remainder.Scalar_Tensor)
+@lower(aten.remainder.Tensor, aten.remainder.Scalar, aten.remainder.Scalar_Tensor, check=ZERO_DIVISION)
 def remainder(self, other):
     return jnp.remainder(self, other)
 
 
-@lower(aten.fmod.Tensor, aten.fmod.Scalar)
+@lower(aten.fmod.Tensor, aten.fmod.Scalar, check=ZERO_DIVISION)
 def fmod(self, other):
     return jnp.fmod(self, other)
 

@@ -479,6 +479,22 @@ def batch_norm_backward(grad_out, input, weight, running_mean, running_var, save
                                 update, eps, output_mask)
 
 
+@lower(aten._weight_norm_interface_backward.default)
+def weight_norm_interface_backward(grad_w, saved_v, saved_g, saved_norms, dim):
+    # as CPU's kernel: per slice along `dim`, s = sum(grad_w * v), grad_g = s / norm and
+    # grad_v = (g / norm) * grad_w - (g / norm) * s / norm^2 * v, in float32 for low precision
+    v, gw = _up(saved_v), _up(grad_w)
+    dim = dim % v.ndim
+    axes = tuple(i for i in range(v.ndim) if i != dim)
+    norm = _up(saved_norms).reshape([v.shape[i] if i == dim else 1 for i in range(v.ndim)])
+    g = _up(saved_g).reshape(norm.shape)
+    s = jnp.sum(gw * v, axes, keepdims=True)
+    a = g / norm
+    grad_v = a * gw - (a * s / (norm * norm)) * v
+    grad_g = (s / norm).reshape(saved_g.shape)
+    return grad_v.astype(saved_v.dtype), grad_g.astype(saved_g.dtype)
+
+
 # ---- recurrent cells ----------------------------------------------------------------------
 # nn.LSTM and nn.GRU on a PrivateUse1 device run each step through these fused cells (as on CUDA),
 # with the gate products computed by matmuls outside. The workspace is what the backward needs:
