@@ -477,3 +477,17 @@ def test_shift_overloads():
         for run in (fn, torch.compile(fn, backend="pjrt", fullgraph=True)):
             got = run(a.to("pjrt"), b.to("pjrt")).cpu()
             assert got.dtype == want.dtype and torch.equal(got, want), (want, got)
+
+
+@pytest.mark.parametrize("backend", ["inductor", "pjrt"])
+def test_graph_breaks_run_the_device_kernels_outside_dynamo(backend):
+    """nn.RNN breaks Dynamo's graph; the rest of the frame runs eagerly with Dynamo's frame hook on,
+    and the device's kernels (with the storage code and JAX under them) must run as they are, not
+    be traced (Dynamo traced torchpjrt's fill kernel into JAX's device_put, which failed)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    rnn = torch.nn.RNN(8, 16, batch_first=True)
+    x = torch.randn(4, 5, 8)
+    want = rnn(x)[0]
+    got = torch.compile(copy.deepcopy(rnn).to("pjrt"), backend=backend)(x.to("pjrt"))[0]
+    torch.testing.assert_close(got.detach().cpu(), want.detach())

@@ -2056,4 +2056,30 @@ def register():
         fb.fallback(_sparse_unsupported, dispatch_key=key, with_keyset=True)
     update_view_kernels()
     native.when_loaded(attention.adopt)  # its ops have their kernels now
+    outside_dynamo(_instrumented(None, None), _registered_with_rule_code(), fallback, _quantized_unsupported,
+                   _sparse_unsupported, torchpjrt_autoload._first_op)
+
+
+def _registered_with_rule_code():
+    """The code of `_registered`'s wrapper for ops with a padding rule (one code for them all)."""
+    for const in _registered.__code__.co_consts:
+        if isinstance(const, type(_registered.__code__)) and const.co_name == "registered":
+            return const
+    raise AssertionError("dispatch._registered has no inner `registered`")
+
+
+def outside_dynamo(*kernels):
+    """Dynamo leaves the device's kernels, and all they call (JAX included), to run as they are
+    (the dispatcher's Python kernels here, the compiled helper's callbacks in hot_path).
+
+    After a graph break, Dynamo's frame hook stays on while the rest of the user's frame runs
+    eagerly, and it would try to compile every Python frame the dispatcher enters: our kernels,
+    their storage code and JAX, which it cannot trace (nn.RNN under torch.compile failed so).
+    The device's ops are opaque to Dynamo, as a CPU kernel is. Set per code object on the
+    C extension's frame hook, so that nothing imports torch._dynamo for it."""
+    eval_frame = torch._C._dynamo.eval_frame
+    strategy = eval_frame._FrameExecStrategy(eval_frame._FrameAction.SKIP, eval_frame._FrameAction.SKIP)
+    for kernel in kernels:
+        code = kernel if isinstance(kernel, type(outside_dynamo.__code__)) else kernel.__code__
+        eval_frame.set_code_exec_strategy(code, strategy)
 

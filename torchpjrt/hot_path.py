@@ -138,6 +138,13 @@ def start():
     py.torchpjrt_hot_configure(storage.Storage, ArrayImpl, stash, take_entry, off_when, model, np.int64,
                                fusion.Pending, (fusion, "records_ops"), (padding, "enabled"), padding.mark_storage,
                                np.ndarray, pack_numbers, device_number)
+    from .dispatch import outside_dynamo
+    from .kernel_cache import CachedKernel
+
+    # what the helper calls back into (beside the Python kernels, which dispatch marks)
+    outside_dynamo(storage.Storage.__init__, storage.Storage.replace, take_entry, padding.mark_storage, pack_numbers,
+                   device_number, fusion._add_node, fusion.record_keyed, fusion.flush, CachedKernel.__call__,
+                   device_checks.record)
     py.torchpjrt_hot_budget.argtypes = [ctypes.c_longlong]
     py.torchpjrt_hot_budget.restype = None
     _library = py
