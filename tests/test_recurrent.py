@@ -47,7 +47,7 @@ def _train_both(model, run, steps=2):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("config", ["one layer"] + [pytest.param(c, marks=pytest.mark.slow) for c in CONFIGS if c != "one layer"])
 @pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
 def test_recurrent_layers_train_like_cpu(mode, cls, config):
     torch.manual_seed(0)
@@ -96,6 +96,7 @@ def test_cells(mode, cls):
     _train_both(model, run)
 
 
+@pytest.mark.slow
 def test_double_backward_through_a_gru():
     """A gradient penalty: backward with create_graph runs PyTorch's differentiable cell backward."""
     torch.manual_seed(0)

@@ -49,7 +49,7 @@ def _masks(batch, length, heads):
 
 
 @pytest.mark.parametrize("masks", ["none", "padding", "causal bool", "both"])  # float masks: no fast path
-@pytest.mark.parametrize("weights", ["averaged", "per head", "none"])
+@pytest.mark.parametrize("weights", ["averaged", pytest.param("per head", marks=pytest.mark.slow), "none"])
 def test_multihead_attention_fast_path_matches_cpu(mode, masks, weights):
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(8, 2, batch_first=True).eval()
@@ -82,8 +82,8 @@ def test_native_multi_head_attention_with_separate_key_and_value(mode):
             _assert_matches(g, w)
 
 
-@pytest.mark.parametrize("norm_first", [False, True])
-@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("norm_first", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("activation", ["relu", pytest.param("gelu", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("masks", ["none", "padding", "causal"])
 def test_transformer_encoder_layer_fast_path_matches_cpu(mode, norm_first, activation, masks):
     torch.manual_seed(0)
@@ -128,6 +128,7 @@ def test_transformer_encoder_with_padding_mask():
         nested(x.to("pjrt"), src_key_padding_mask=pad.to("pjrt"))
 
 
+@pytest.mark.slow
 def test_encoder_layer_fast_path_compiled():
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).eval()
