@@ -30,7 +30,8 @@ def _state_sum(state):
 
 
 def _train_both(model, run, steps=2):
-    """`steps` SGD steps of `run(model, device)` on CPU and pjrt; the last outputs and gradients."""
+    """`steps` SGD steps of `run(model, device)` on CPU and pjrt: the last step's output and
+    gradients (taken at the weights the earlier steps trained) and the trained weights match."""
     on_pjrt = copy.deepcopy(model).to("pjrt")
     results = []
     for m, device in ((model, "cpu"), (on_pjrt, "pjrt")):
@@ -39,12 +40,14 @@ def _train_both(model, run, steps=2):
             opt.zero_grad()
             out = run(m, device)
             out.backward()
+            opt.step()
         results.append((out.detach().cpu(), [p.grad.cpu() for p in m.parameters()]))
-        opt.step()
     (want, want_grads), (got, got_grads) = results
     torch.testing.assert_close(got, want)
     for g, w in zip(got_grads, want_grads):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    for p, q in zip(on_pjrt.parameters(), model.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("config", ["one layer"] + [pytest.param(c, marks=pytest.mark.slow) for c in CONFIGS if c != "one layer"])

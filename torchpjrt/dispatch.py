@@ -15,6 +15,7 @@ import math
 import os
 import re
 import threading
+import types
 import warnings
 from collections import Counter
 
@@ -883,6 +884,14 @@ def _laid_out(outs, orders):
     return tuple(laid)
 
 
+def takes_offset(t, st) -> bool:
+    """Whether view `t` of storage `st` reaches its op's program as (array, offset), as _key_tensor
+    passes it and _view_reader reads it: not all of its storage (in its own shape or another),
+    and an offset the program can take as an argument. (The compiled helper learns it so.)"""
+    return not storage.is_identity(t, st) and not storage.is_reshaped_whole(t, st) \
+        and storage.runtime_offset(st, t) is not None
+
+
 def _view_reader(t):
     """For a pjrt view argument: the function reading it from its storage's array."""
     if t.device.type != "pjrt":
@@ -894,7 +903,7 @@ def _view_reader(t):
         shape = tuple(t.shape)
         return lambda base: base.reshape(shape)
     read = storage.view_read_fn(st.shape, tuple(t.shape), t.stride(), dtypes.to_jax(t.dtype))
-    if storage.runtime_offset(st, t) is not None:
+    if takes_offset(t, st):
         return lambda base_and_offset: read(*base_and_offset)  # as compute_keyed passes it
     offset = t.storage_offset()
     return lambda base: read(base, offset)
@@ -2063,7 +2072,7 @@ def register():
 def _registered_with_rule_code():
     """The code of `_registered`'s wrapper for ops with a padding rule (one code for them all)."""
     for const in _registered.__code__.co_consts:
-        if isinstance(const, type(_registered.__code__)) and const.co_name == "registered":
+        if isinstance(const, types.CodeType) and const.co_name == "registered":
             return const
     raise AssertionError("dispatch._registered has no inner `registered`")
 
@@ -2080,6 +2089,6 @@ def outside_dynamo(*kernels):
     eval_frame = torch._C._dynamo.eval_frame
     strategy = eval_frame._FrameExecStrategy(eval_frame._FrameAction.SKIP, eval_frame._FrameAction.SKIP)
     for kernel in kernels:
-        code = kernel if isinstance(kernel, type(outside_dynamo.__code__)) else kernel.__code__
+        code = kernel if isinstance(kernel, types.CodeType) else kernel.__code__
         eval_frame.set_code_exec_strategy(code, strategy)
 

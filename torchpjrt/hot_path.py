@@ -60,17 +60,13 @@ _TYPES = {"Tensor", "Optional[Tensor]", "number", "Optional[number]", "int", "Op
 _library = None  # the helper, opened so that its calls keep the GIL (ctypes.PyDLL)
 
 
-def _passed_with_offset(view, st):
-    return not storage.is_reshaped_whole(view, st) and storage.runtime_offset(st, view) is not None
-
-
 def take_entry(qualname, views):
     """For the call of aten::`qualname` that just ran, when it was plain: (its compiled program,
     per view argument in `views` whether the program took it with its offset as an argument,
     the function recording the program in fused mode, the (position, element) of each argument
     its padding rule read masked, which the program takes with its n); None otherwise (also
     when the call recorded was another op's)."""
-    from .dispatch import _qualname
+    from .dispatch import _qualname, takes_offset
 
     call = getattr(stash, "last_call", None)
     stash.last_call = None
@@ -100,9 +96,8 @@ def take_entry(qualname, views):
     masked = kernel.masked_of.get(key, ())
     if not masked and any(type(w) is tuple and w[:1] == ("beyond",) for w in key):
         return None
-    # as LoweredKernel.compute_keyed passes a view: (array, offset) where the offset is an argument,
-    # the array alone for all of its storage in another shape (a padded view as its rule widened it)
-    forms = tuple(_passed_with_offset(v, v.untyped_storage()._pjrt) for v in views)
+    # as LoweredKernel.compute_keyed passes a view (a padded one as its rule widened it)
+    forms = tuple(takes_offset(v, v.untyped_storage()._pjrt) for v in views)
     return program, forms, functools.partial(fusion.record_keyed, kernel.fused_avals, key, program), masked
 
 

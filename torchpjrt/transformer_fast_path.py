@@ -19,27 +19,22 @@ from . import dtypes
 aten = torch.ops.aten
 
 
-def _check(ok, message):
-    if not ok:
-        raise RuntimeError(message)
-
-
 def masked_softmax(input, mask, dim=None, mask_type=None):
     """Softmax over `dim` (the last by default) where True in `mask` leaves an element out; a row
     left out entirely is NaN, as on CPU. mask_type 0: an (L, L) attention mask, 1: a (B, L)
     padding mask, for a 4-D input and a 2-D mask; any other mask has the input's shape."""
-    _check(mask.dtype == torch.bool, "Mask should be a boolean tensor")
+    torch._check(mask.dtype == torch.bool, lambda: "Mask should be a boolean tensor")
     if mask.dim() != 2 or input.dim() != 4:
         mask_type = 2
     if mask_type == 2:
-        _check(input.shape == mask.shape, "For mask_type == 2 mask shape should match input shape")
+        torch._check(input.shape == mask.shape, lambda: "For mask_type == 2 mask shape should match input shape")
     elif mask_type == 1:
-        _check(input.shape[0] == mask.shape[0] and input.shape[2] == mask.shape[1],
-               "For mask_type == 1 mask shape should be (B, L)")
+        torch._check(input.shape[0] == mask.shape[0] and input.shape[2] == mask.shape[1],
+                     lambda: "For mask_type == 1 mask shape should be (B, L)")
         mask = mask.view(input.shape[0], 1, 1, input.shape[2])
     elif mask_type == 0:
-        _check(input.shape[2] == mask.shape[0] and input.shape[2] == mask.shape[1],
-               "For mask_type == 0 mask shape should be (L, L)")
+        torch._check(input.shape[2] == mask.shape[0] and input.shape[2] == mask.shape[1],
+                     lambda: "For mask_type == 0 mask shape should be (L, L)")
         mask = mask.view(1, 1, input.shape[2], input.shape[2])
     else:
         raise RuntimeError(f"Unknown mask_type: {mask_type}")
@@ -54,8 +49,9 @@ def transform_bias_rescale_qkv(qkv, qkv_bias, num_heads):
     bfloat16, rounded once at the end, with the factor a float32 (float64 for double)."""
     B, T, three_d = qkv.shape
     D = three_d // 3
-    _check(D % num_heads == 0, f"Expected D % num_heads == 0 to be true, but got false (D={D}, num_heads={num_heads})")
-    _check(three_d % 3 == 0, "Expected _3D % 3 == 0 to be true, but got false.")
+    torch._check(D % num_heads == 0,
+                 lambda: f"Expected D % num_heads == 0 to be true, but got false (D={D}, num_heads={num_heads})")
+    torch._check(three_d % 3 == 0, lambda: "Expected _3D % 3 == 0 to be true, but got false.")
     dim_per_head = D // num_heads
     compute = dtypes.opmath(qkv.dtype)
     real = np.float64 if compute == torch.float64 else np.float32
@@ -78,17 +74,18 @@ def _qkv_projection(query, key, value, embed_dim, qkv_weight):
 def native_multi_head_attention(query, key, value, embed_dim, num_head, qkv_weight, qkv_bias, proj_weight,
                                 proj_bias, mask=None, need_weights=True, average_attn_weights=True, mask_type=None):
     D = embed_dim
-    _check(query.dim() == 3, f"expected 3-D `query`, got {query.dim()}-D tensor")
-    _check(query.shape[2] == embed_dim, f"passed-in embed_dim {embed_dim} didn't match last dim of query {query.shape[2]}")
-    _check(key.dim() == 3, f"expected 3-D `key`, got {key.dim()}-D tensor")
-    _check(value.dim() == 3, f"expected 3-D `value`, got {value.dim()}-D tensor")
-    _check(query.shape == key.shape == value.shape, "expected `query`/`key`/`value` shapes to match")
-    _check(qkv_weight.dim() == 2, f"expected 2-D `qkv_weight`, got {qkv_weight.dim()}-D tensor")
-    _check(D * 3 == qkv_weight.shape[0], "expected `qkv_weight` first dim to be 3x embed_dim")
-    _check(D == qkv_weight.shape[1], "expected `qkv_weight` second dim to be embed_Dim")
-    _check(qkv_bias.dim() == 1, f"expected 1-D `qkv_bias`, got {qkv_bias.dim()}-D tensor")
-    _check(qkv_bias.shape[0] == 3 * D, "expected `qkv_bias` first dim and first dim of query to be equal")
-    _check(D % num_head == 0, "`embed_dim` must divide evenly by `num_heads`")
+    torch._check(query.dim() == 3, lambda: f"expected 3-D `query`, got {query.dim()}-D tensor")
+    torch._check(query.shape[2] == embed_dim,
+                 lambda: f"passed-in embed_dim {embed_dim} didn't match last dim of query {query.shape[2]}")
+    torch._check(key.dim() == 3, lambda: f"expected 3-D `key`, got {key.dim()}-D tensor")
+    torch._check(value.dim() == 3, lambda: f"expected 3-D `value`, got {value.dim()}-D tensor")
+    torch._check(query.shape == key.shape == value.shape, lambda: "expected `query`/`key`/`value` shapes to match")
+    torch._check(qkv_weight.dim() == 2, lambda: f"expected 2-D `qkv_weight`, got {qkv_weight.dim()}-D tensor")
+    torch._check(D * 3 == qkv_weight.shape[0], lambda: "expected `qkv_weight` first dim to be 3x embed_dim")
+    torch._check(D == qkv_weight.shape[1], lambda: "expected `qkv_weight` second dim to be embed_Dim")
+    torch._check(qkv_bias.dim() == 1, lambda: f"expected 1-D `qkv_bias`, got {qkv_bias.dim()}-D tensor")
+    torch._check(qkv_bias.shape[0] == 3 * D, lambda: "expected `qkv_bias` first dim and first dim of query to be equal")
+    torch._check(D % num_head == 0, lambda: "`embed_dim` must divide evenly by `num_heads`")
 
     qkv = _qkv_projection(query, key, value, embed_dim, qkv_weight)
     if qkv.numel() == 0:
